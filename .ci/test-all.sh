@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The whole test suite: unit, integration, doc tests, the no_std build, and the loom models.
+# This is the README's test command; .ci/run calls it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== unit, integration and doc tests"
+cargo test --all-targets
+cargo test --doc
+
+echo "== no_std core (no default features), host and bare-metal target"
+cargo build --no-default-features
+if rustup target list --installed 2>/dev/null | grep -qx thumbv7em-none-eabihf \
+   || rustup target add thumbv7em-none-eabihf >/dev/null 2>&1; then
+  cargo build --no-default-features --target thumbv7em-none-eabihf
+else
+  echo "skipping the thumbv7em-none-eabihf build: the target could not be installed"
+fi
+
+if [ -f loom-tests/models.rs ]; then
+  echo "== loom models (release, bounded)"
+  RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}" \
+    cargo test --release --test loom -- --test-threads=1
+fi

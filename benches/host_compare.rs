@@ -1,0 +1,173 @@
+//! Side-by-side host comparison: `GlobalBfc` against the system allocator, in one run.
+//!
+//! Run: `cargo bench --bench host_compare`. Each workload runs alternately on both allocators for
+//! several rounds; the table shows medians and the ratio bfc/system (lower is better; <= 1.00 means
+//! bfc-alloc is no slower). Both are called through `GlobalAlloc` in the same process, so the machine's
+//! noise hits them alike.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::time::Instant;
+
+use bfc_alloc::GlobalBfc;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Log-uniform in `lo..hi`.
+    fn log_uniform(&mut self, lo: usize, hi: usize) -> usize {
+        let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
+        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
+        ((a + (b - a) * u).exp() as usize).clamp(lo, hi - 1)
+    }
+}
+
+/// Mixed-size churn: live set of 10,000 blocks, sizes log-uniform 8..4096, random replacement, first
+/// byte written. Returns ns per replacement step.
+fn churn(a: &dyn GlobalAlloc, steps: usize) -> f64 {
+    const LIVE: usize = 10_000;
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut live: Vec<(*mut u8, Layout)> = Vec::with_capacity(LIVE);
+    unsafe {
+        for _ in 0..LIVE {
+            let l = Layout::from_size_align(rng.log_uniform(8, 4096), 8).unwrap();
+            let p = a.alloc(l);
+            *p = 1;
+            live.push((p, l));
+        }
+        let t = Instant::now();
+        for _ in 0..steps {
+            let i = rng.next() as usize % LIVE;
+            let (p, l) = live[i];
+            a.dealloc(p, l);
+            let l = Layout::from_size_align(rng.log_uniform(8, 4096), 8).unwrap();
+            let p = a.alloc(l);
+            *p = 1;
+            live[i] = (p, l);
+        }
+        let ns = t.elapsed().as_nanos() as f64 / steps as f64;
+        for (p, l) in live {
+            a.dealloc(p, l);
+        }
+        ns
+    }
+}
+
+/// 32-byte alloc/free pairs. ns per pair.
+fn pairs(a: &dyn GlobalAlloc, n: usize) -> f64 {
+    let l = Layout::from_size_align(32, 8).unwrap();
+    let t = Instant::now();
+    for _ in 0..n {
+        unsafe {
+            let p = a.alloc(l);
+            black_box(p);
+            a.dealloc(p, l);
+        }
+    }
+    t.elapsed().as_nanos() as f64 / n as f64
+}
+
+/// Vec-style growth by doubling reallocs up to 1 MiB, repeated. ns per pushed byte-equivalent element.
+fn vec_growth(a: &dyn GlobalAlloc, rounds: usize) -> f64 {
+    let mut pushes = 0usize;
+    let t = Instant::now();
+    for _ in 0..rounds {
+        unsafe {
+            let mut cap = 8usize;
+            let mut l = Layout::from_size_align(cap, 8).unwrap();
+            let mut p = a.alloc(l);
+            let mut len = 0usize;
+            while cap < 1 << 20 {
+                if len == cap {
+                    p = a.realloc(p, l, cap * 2);
+                    cap *= 2;
+                    l = Layout::from_size_align(cap, 8).unwrap();
+                }
+                *p.add(len) = len as u8;
+                len += 1;
+            }
+            pushes += len;
+            a.dealloc(p, l);
+        }
+    }
+    t.elapsed().as_nanos() as f64 / pushes as f64
+}
+
+/// Large blocks 64 KiB..16 MiB, live set 64, first byte written. ns per step.
+fn large(a: &dyn GlobalAlloc, steps: usize) -> f64 {
+    const LIVE: usize = 64;
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let mut live: Vec<(*mut u8, Layout)> = Vec::with_capacity(LIVE);
+    unsafe {
+        for _ in 0..LIVE {
+            let l = Layout::from_size_align(rng.log_uniform(64 << 10, 16 << 20), 8).unwrap();
+            let p = a.alloc(l);
+            *p = 1;
+            live.push((p, l));
+        }
+        let t = Instant::now();
+        for _ in 0..steps {
+            let i = rng.next() as usize % LIVE;
+            let (p, l) = live[i];
+            a.dealloc(p, l);
+            let l = Layout::from_size_align(rng.log_uniform(64 << 10, 16 << 20), 8).unwrap();
+            let p = a.alloc(l);
+            *p = 1;
+            live[i] = (p, l);
+        }
+        let ns = t.elapsed().as_nanos() as f64 / steps as f64;
+        for (p, l) in live {
+            a.dealloc(p, l);
+        }
+        ns
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn main() {
+    // `cargo test --benches` passes `--bench`-less args; keep that run short.
+    let quick = !std::env::args().any(|a| a == "--bench");
+    let rounds = if quick { 1 } else { 9 };
+    let scale = if quick { 1 } else { 20 };
+    let bfc = GlobalBfc::new();
+    let sys = System;
+    type Workload = (
+        &'static str,
+        &'static str,
+        fn(&dyn GlobalAlloc, usize) -> f64,
+        usize,
+    );
+    let workloads: [Workload; 4] = [
+        ("mixed-size churn", "ns/step", churn, 50_000 * scale),
+        ("32-byte pairs", "ns/pair", pairs, 500_000 * scale),
+        ("Vec growth", "ns/push", vec_growth, 2 * scale),
+        ("large 64K..16M", "ns/step", large, 500 * scale),
+    ];
+    println!(
+        "{:<18} {:>8} {:>12} {:>12} {:>10}",
+        "workload", "unit", "bfc-alloc", "system", "bfc/sys"
+    );
+    for (name, unit, f, n) in workloads {
+        let (mut b, mut s) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            b.push(f(&bfc, n));
+            s.push(f(&sys, n));
+        }
+        let (mb, ms) = (median(b), median(s));
+        println!(
+            "{name:<18} {unit:>8} {mb:>12.2} {ms:>12.2} {:>10.2}",
+            mb / ms
+        );
+    }
+    bfc.check().expect("heap invariants after the benchmark");
+    println!("\nbfc-alloc stats after the run:\n{}", bfc.stats());
+}

@@ -1,0 +1,196 @@
+//! The invariant checker: a full walk of regions, chunks, bins, the pointer map and the counters.
+
+use super::bins::{bin_for, NUM_BINS};
+use super::{Bfc, CheckError, Chunk, ChunkHandle, MemorySource};
+
+/// Blocks of one chunk whose map entries are checked individually; the interior of larger chunks is
+/// sampled at its ends so that a check stays proportional to the number of chunks, not of bytes.
+const MAP_CHECK_BLOCKS: usize = 64;
+
+fn fail(what: &'static str, at: usize) -> Result<(), CheckError> {
+    Err(CheckError { what, at })
+}
+
+impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
+    /// Verifies every structural invariant and recounts the statistics.
+    ///
+    /// Checked: regions sorted and disjoint; each region's chunks contiguous, granule-aligned, sizes
+    /// summing to the region, `prev`/`next` mutually consistent; no two adjacent free chunks; each free
+    /// chunk in exactly the bin of its size and each bin entry free; the bitmaps agree with the bins;
+    /// the pointer map names the first chunk of each block; the chunk table's live and recycled
+    /// records add up; `bytes_in_use`, `bytes_reserved` and the chunk counts match a recount.
+    ///
+    /// # Time Complexity
+    /// O(chunks + bins).
+    pub fn check(&self) -> Result<(), CheckError> {
+        let granule = self.config.granule;
+        let mut in_use_bytes = 0usize;
+        let mut in_use_chunks = 0usize;
+        let mut free_chunks = 0usize;
+        let mut reserved = 0usize;
+        let mut total_chunks = 0usize;
+        let mut last_end = 0usize;
+        for (i, r) in self.regions[..self.num_regions].iter().enumerate() {
+            if i > 0 && r.base < last_end {
+                return fail("regions overlap or are unsorted", r.base);
+            }
+            last_end = r.base + r.size;
+            reserved += r.size;
+            let Some(first) = r.first else {
+                return fail("region without chunks", r.base);
+            };
+            let mut cur = Some(first);
+            let mut prev: Option<(ChunkHandle, Chunk)> = None;
+            let mut sum = 0usize;
+            let mut last_block = usize::MAX;
+            while let Some(h) = cur {
+                if h.index() >= self.table.high_water() {
+                    return fail("chunk handle out of range", 0);
+                }
+                let c = *self.table.get(h);
+                total_chunks += 1;
+                if total_chunks > self.table.live() {
+                    return fail("chunk list longer than the live records (cycle?)", c.ptr());
+                }
+                if c.size() == 0 || c.size() % granule != 0 || c.ptr() % granule != 0 {
+                    return fail("chunk size or address not a granule multiple", c.ptr());
+                }
+                match prev {
+                    None if c.ptr() != r.base || c.prev.is_some() => {
+                        return fail("first chunk does not start the region", c.ptr())
+                    }
+                    Some((ph, pc)) => {
+                        if c.prev != Some(ph) || pc.end() != c.ptr() {
+                            return fail("address neighbours not contiguous", c.ptr());
+                        }
+                        if !pc.in_use() && !c.in_use() {
+                            return fail("two adjacent free chunks", c.ptr());
+                        }
+                    }
+                    None => {}
+                }
+                if c.in_use() {
+                    in_use_bytes += c.size();
+                    in_use_chunks += 1;
+                    if c.free_prev.is_some() || c.free_next.is_some() {
+                        return fail("in-use chunk linked into a bin", c.ptr());
+                    }
+                } else {
+                    free_chunks += 1;
+                    if !self.in_bin(h, bin_for(c.size() / granule)) {
+                        return fail("free chunk not in the bin of its size", c.ptr());
+                    }
+                }
+                self.check_map(r, h, &c, &mut last_block)?;
+                sum += c.size();
+                prev = Some((h, c));
+                cur = c.next;
+            }
+            if sum != r.size {
+                return fail("chunk sizes do not sum to the region size", r.base);
+            }
+        }
+        // Bins: every entry free, in the right bin, with consistent back links.
+        let mut binned = 0usize;
+        for b in 0..NUM_BINS {
+            let mut cur = self.bins.head(b);
+            let mut back: Option<ChunkHandle> = None;
+            while let Some(h) = cur {
+                let c = self.table.get(h);
+                binned += 1;
+                if binned > free_chunks {
+                    return fail("more binned chunks than free chunks", c.ptr());
+                }
+                if c.in_use() {
+                    return fail("in-use chunk in a bin", c.ptr());
+                }
+                if bin_for(c.size() / granule) != b {
+                    return fail("chunk in the wrong bin", c.ptr());
+                }
+                if c.free_prev != back {
+                    return fail("bin back link broken", c.ptr());
+                }
+                back = Some(h);
+                cur = c.free_next;
+            }
+        }
+        if binned != free_chunks {
+            return fail("free chunks missing from the bins", 0);
+        }
+        if !self.bins.bitmaps_consistent() {
+            return fail("bin bitmaps disagree with the bins", 0);
+        }
+        if total_chunks != self.table.live() {
+            return fail("live chunk records not all reachable from regions", 0);
+        }
+        if self
+            .table
+            .free_slots()
+            .take(self.table.high_water() + 1)
+            .count()
+            + self.table.live()
+            != self.table.high_water()
+        {
+            return fail("recycled and live chunk records do not add up", 0);
+        }
+        if in_use_bytes != self.stats.bytes_in_use || in_use_chunks != self.in_use_chunks {
+            return fail("bytes_in_use or chunk count disagrees with a recount", 0);
+        }
+        if reserved != self.stats.bytes_reserved || reserved > self.stats.peak_bytes_reserved {
+            return fail("bytes_reserved disagrees with the regions", 0);
+        }
+        if self.stats.bytes_in_use > self.stats.peak_bytes_in_use
+            || self.stats.bytes_reserved > self.config.memory_limit
+        {
+            return fail("a peak or the limit is below the current value", 0);
+        }
+        Ok(())
+    }
+
+    fn in_bin(&self, h: ChunkHandle, b: usize) -> bool {
+        let mut cur = self.bins.head(b);
+        while let Some(x) = cur {
+            if x == h {
+                return true;
+            }
+            cur = self.table.get(x).free_next;
+        }
+        false
+    }
+
+    /// The map entry of the block where `c` starts names the first chunk starting in that block, and
+    /// the blocks starting inside `c` (the first [`MAP_CHECK_BLOCKS`] and the last) are empty.
+    fn check_map(
+        &self,
+        r: &super::Region,
+        h: ChunkHandle,
+        c: &Chunk,
+        last_block: &mut usize,
+    ) -> Result<(), CheckError> {
+        let shift = self.block_shift;
+        let block = (c.ptr() - r.base) >> shift;
+        let entry = |b: usize| {
+            // SAFETY: callers pass blocks of chunks inside `r`, hence below `map_len`.
+            unsafe { *r.map.as_ptr().add(b) }
+        };
+        if block != *last_block {
+            if entry(block) != Some(h) {
+                return fail(
+                    "pointer map does not name the first chunk of a block",
+                    c.ptr(),
+                );
+            }
+            *last_block = block;
+        }
+        // Blocks that start strictly inside `c` hold no chunk start.
+        let end_block = (c.end() - r.base) >> shift;
+        let inner_end = end_block.min(block + 1 + MAP_CHECK_BLOCKS);
+        let last_inner = end_block.checked_sub(1).filter(|&l| l > block);
+        for b in (block + 1..inner_end).chain(last_inner) {
+            if entry(b).is_some() {
+                return fail("pointer map names a chunk inside another chunk", c.ptr());
+            }
+        }
+        Ok(())
+    }
+}

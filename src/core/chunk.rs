@@ -1,0 +1,212 @@
+//! Chunks and the fixed-capacity chunk table.
+//!
+//! A *chunk* is a contiguous, granule-aligned range of a region, either in use (handed to a caller) or
+//! free (in exactly one bin). Chunk records live in a caller-provided table, never in the memory they
+//! describe; a [`ChunkHandle`] is an index into that table. Freed records are recycled through an
+//! intrusive free-slot list threaded through `free_next`.
+
+use core::num::NonZeroU32;
+
+/// Index of a chunk record in the chunk table. `Option<ChunkHandle>` is 4 bytes (the niche is 0).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
+#[repr(transparent)]
+pub struct ChunkHandle(NonZeroU32);
+
+impl ChunkHandle {
+    /// The table index this handle names.
+    #[inline]
+    pub fn index(self) -> usize {
+        (self.0.get() - 1) as usize
+    }
+
+    /// The handle of table slot `index`. `index` must be below `u32::MAX`.
+    #[inline]
+    pub(crate) fn from_index(index: usize) -> Self {
+        debug_assert!(index < u32::MAX as usize);
+        // `index + 1` is at least 1 and, by the check above (enforced at table creation), fits in u32.
+        match NonZeroU32::new(index as u32 + 1) {
+            Some(n) => ChunkHandle(n),
+            None => unreachable_handle(),
+        }
+    }
+}
+
+#[cold]
+fn unreachable_handle() -> ! {
+    panic!("bfc-alloc: chunk handle overflow")
+}
+
+/// Bit 0 of [`Chunk::size_flags`]: the chunk is in use. Granules are at least 8 bytes, so the low three
+/// bits of a size are always zero.
+const IN_USE: usize = 1;
+const FLAGS: usize = 0b111;
+
+/// One chunk record: 32 bytes on 64-bit targets.
+///
+/// Invariants (checked by [`Bfc::check`](super::Bfc::check)):
+/// - `prev`/`next` are the address neighbours inside the same region:
+///   `prev.ptr + prev.size == ptr` and `ptr + size == next.ptr`;
+/// - a free chunk is linked into exactly the bin of its size through `free_prev`/`free_next`;
+///   an in-use chunk has both set to `None`;
+/// - no two address neighbours are both free.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Chunk {
+    pub(crate) ptr: usize,
+    /// Size in bytes (a multiple of the granule) or-ed with [`IN_USE`].
+    size_flags: usize,
+    pub(crate) prev: Option<ChunkHandle>,
+    pub(crate) next: Option<ChunkHandle>,
+    pub(crate) free_prev: Option<ChunkHandle>,
+    pub(crate) free_next: Option<ChunkHandle>,
+}
+
+#[cfg(target_pointer_width = "64")]
+static_assertions::const_assert_eq!(core::mem::size_of::<Chunk>(), 32);
+static_assertions::const_assert_eq!(core::mem::size_of::<Option<ChunkHandle>>(), 4);
+
+impl Chunk {
+    /// An unused record. All-zero bytes are also a valid `Chunk`, so zero-filled memory (a fresh
+    /// anonymous mapping) can back a table without initialisation.
+    pub const EMPTY: Chunk = Chunk {
+        ptr: 0,
+        size_flags: 0,
+        prev: None,
+        next: None,
+        free_prev: None,
+        free_next: None,
+    };
+
+    /// Start address of the chunk.
+    #[inline]
+    pub fn ptr(&self) -> usize {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    #[inline]
+    pub fn size(&self) -> usize {
+        self.size_flags & !FLAGS
+    }
+
+    /// Whether the chunk is handed out.
+    #[inline]
+    pub fn in_use(&self) -> bool {
+        self.size_flags & IN_USE != 0
+    }
+
+    #[inline]
+    pub(crate) fn set_size(&mut self, size: usize) {
+        debug_assert_eq!(size & FLAGS, 0);
+        self.size_flags = size | (self.size_flags & IN_USE);
+    }
+
+    #[inline]
+    pub(crate) fn set_in_use(&mut self, in_use: bool) {
+        self.size_flags = self.size() | in_use as usize;
+    }
+
+    #[inline]
+    pub(crate) fn end(&self) -> usize {
+        self.ptr + self.size()
+    }
+}
+
+/// The chunk table: caller-provided storage plus the recycling state.
+///
+/// Invariant: slots `[0, high_water)` have been used at least once; every slot in that range is either
+/// live (reachable from a region's chunk list) or on the free-slot list starting at `free_slot`.
+pub(crate) struct ChunkTable<T> {
+    storage: T,
+    /// Head of the recycled-slot list (linked through `free_next`).
+    free_slot: Option<ChunkHandle>,
+    /// Number of slots ever handed out.
+    high_water: usize,
+    /// Number of live records.
+    live: usize,
+}
+
+impl<T: AsRef<[Chunk]> + AsMut<[Chunk]>> ChunkTable<T> {
+    pub(crate) fn new(storage: T) -> Self {
+        ChunkTable {
+            storage,
+            free_slot: None,
+            high_water: 0,
+            live: 0,
+        }
+    }
+
+    /// Usable capacity in records (`u32::MAX - 1` at most, so every index fits a handle).
+    #[inline]
+    pub(crate) fn capacity(&self) -> usize {
+        self.storage.as_ref().len().min(u32::MAX as usize - 1)
+    }
+
+    #[inline]
+    pub(crate) fn high_water(&self) -> usize {
+        self.high_water
+    }
+
+    #[inline]
+    pub(crate) fn live(&self) -> usize {
+        self.live
+    }
+
+    /// Takes a slot for a new record, or `None` when the table is full.
+    #[inline]
+    pub(crate) fn alloc(&mut self, chunk: Chunk) -> Option<ChunkHandle> {
+        let h = match self.free_slot {
+            Some(h) => {
+                self.free_slot = self.get(h).free_next;
+                h
+            }
+            None => {
+                if self.high_water == self.capacity() {
+                    return None;
+                }
+                self.high_water += 1;
+                ChunkHandle::from_index(self.high_water - 1)
+            }
+        };
+        self.live += 1;
+        *self.get_mut(h) = chunk;
+        Some(h)
+    }
+
+    /// Returns the slot of `h` for reuse.
+    #[inline]
+    pub(crate) fn free(&mut self, h: ChunkHandle) {
+        let head = self.free_slot;
+        let c = self.get_mut(h);
+        *c = Chunk::EMPTY;
+        c.free_next = head;
+        self.free_slot = Some(h);
+        self.live -= 1;
+    }
+
+    #[inline]
+    pub(crate) fn get(&self, h: ChunkHandle) -> &Chunk {
+        debug_assert!(h.index() < self.high_water);
+        let slots = self.storage.as_ref();
+        // SAFETY: handles are only created by `alloc`, which hands out indices below
+        // `high_water <= capacity() <= slots.len()`, and the table never shrinks.
+        unsafe { slots.get_unchecked(h.index()) }
+    }
+
+    #[inline]
+    pub(crate) fn get_mut(&mut self, h: ChunkHandle) -> &mut Chunk {
+        debug_assert!(h.index() < self.high_water);
+        let slots = self.storage.as_mut();
+        // SAFETY: as in `get`.
+        unsafe { slots.get_unchecked_mut(h.index()) }
+    }
+
+    /// Iterates the recycled-slot list (for the invariant checker).
+    pub(crate) fn free_slots(&self) -> impl Iterator<Item = ChunkHandle> + '_ {
+        let mut cur = self.free_slot;
+        core::iter::from_fn(move || {
+            let h = cur?;
+            cur = self.get(h).free_next;
+            Some(h)
+        })
+    }
+}

@@ -1,0 +1,945 @@
+//! The BFC engine: best-fit with coalescing over address ranges it never touches.
+//!
+//! Lineage: TensorFlow's `BFCAllocator`, itself a lean dlmalloc. High-level model:
+//!
+//! ```text
+//! MemorySource --regions--> Bfc --chunks--> bins (free chunks only)
+//!                             \--pointer map (per region, one entry per map block)
+//! ```
+//!
+//! - A *region* is one range obtained from the [`MemorySource`]; chunks never span two regions.
+//! - A *chunk* ([`Chunk`]) is a granule-aligned piece of a region, in use or free. Records live in a
+//!   caller-provided fixed-capacity table; handles ([`ChunkHandle`]) are indices.
+//! - *Bins* hold free chunks by size class (16 classes per power of two, see [`bins`](self::bins)), with
+//!   a two-level bitmap so finding a fitting bin is O(1) in the number of free chunks.
+//! - The *pointer map* finds the chunk of an address on free. TensorFlow keeps one entry per granule,
+//!   which at a 16-byte host granule would cost 25% of the memory. Here a region is cut into *map blocks*
+//!   of `map_block_granules` granules (32 by default) and the map keeps, per block, the handle of the
+//!   first chunk that starts in it (4 bytes per 512 host bytes: 0.8%). Lookup walks at most one block's
+//!   worth of chunks along the address list.
+//!
+//! # Fit policy ("good fit")
+//!
+//! A request of `g` granules first looks at the first [`Config::fit_scan`] chunks of its own class and
+//! takes the smallest that fits (ties: lowest address); failing that it takes the head of the first
+//! non-empty higher class, every chunk of which is guaranteed to fit. TensorFlow's exact best fit
+//! (smallest size, then lowest address, kept in `std::set`s) costs O(log n) per operation; the
+//! fragmentation difference on a random workload is measured in `tests/fragmentation.rs`.
+//!
+//! # Split and merge
+//!
+//! A chunk of `s` bytes chosen for a request of `r` (rounded) bytes is split when
+//! `s >= split_ratio * r` or `s - r >= max_internal_fragmentation` (TensorFlow: 2 and 128 MiB);
+//! otherwise the whole chunk is handed out. Alignment padding in front is always split off as a free
+//! chunk. On free a chunk merges with both address neighbours when they are free, so no two adjacent
+//! chunks are ever both free.
+//!
+//! # Growth
+//!
+//! With `allow_growth` the first region is `initial_region_size` and each new one doubles (as big as
+//! the request needs); without it one region of `memory_limit` is taken on first use. When the source
+//! refuses, the size backs off by 0.9 down to the request. `memory_limit` caps `bytes_reserved`.
+//! Before reporting out-of-memory, fully free regions are returned to the source and growth is tried
+//! once more.
+
+mod bins;
+mod check;
+mod chunk;
+mod report;
+mod source;
+
+use core::ptr::NonNull;
+
+pub use bins::NUM_BINS;
+pub use chunk::{Chunk, ChunkHandle};
+pub use report::{AllocError, BinSummary, CheckError, FreeError, OomCause, OomReport, Stats};
+pub use source::MemorySource;
+
+use bins::{bin_for, Bins, NUM_GROUPS};
+use chunk::ChunkTable;
+
+/// Maximum number of live regions.
+pub const MAX_REGIONS: usize = 64;
+
+/// Largest supported alignment: 2^40 bytes on 64-bit targets, half the address space on smaller ones.
+pub const MAX_ALIGN: usize = if usize::BITS > 41 {
+    1 << 40
+} else {
+    1 << (usize::BITS - 2)
+};
+
+/// Largest alignment asked of the source for a region; bigger alignments are met by padding.
+const REGION_ALIGN_MAX: usize = 1 << 21;
+
+/// Engine parameters. Use [`Config::device`] or [`Config::host`] and adjust.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Allocation unit in bytes: a power of two, at least 8. Every chunk size and address is a multiple.
+    pub granule: usize,
+    /// Cap on the bytes obtained from the source.
+    pub memory_limit: usize,
+    /// Grow by doubling regions (`true`) or take one region of `memory_limit` on first use.
+    pub allow_growth: bool,
+    /// First region size when growing.
+    pub initial_region_size: usize,
+    /// Split when the chunk is at least this many times the request (0: never by ratio).
+    pub split_ratio: usize,
+    /// Split when the leftover would be at least this many bytes.
+    pub max_internal_fragmentation: usize,
+    /// How many chunks of the request's own class are examined for the best fit (at least 1).
+    pub fit_scan: usize,
+    /// Granules per pointer-map block: a power of two. Larger saves map memory, smaller shortens lookups.
+    pub map_block_granules: usize,
+}
+
+impl Config {
+    /// TensorFlow's device settings: 256-byte granule, split at 2x or 128 MiB waste, growth from 2 MiB.
+    pub const fn device(memory_limit: usize) -> Self {
+        Config {
+            granule: 256,
+            memory_limit,
+            allow_growth: true,
+            initial_region_size: 2 << 20,
+            split_ratio: 2,
+            max_internal_fragmentation: 128 << 20,
+            fit_scan: 8,
+            map_block_granules: 32,
+        }
+    }
+
+    /// Host settings: 16-byte granule and a split whenever at least one granule would be left over.
+    pub const fn host(memory_limit: usize) -> Self {
+        Config {
+            granule: 16,
+            memory_limit,
+            allow_growth: false,
+            initial_region_size: memory_limit,
+            split_ratio: 2,
+            max_internal_fragmentation: 16,
+            fit_scan: 8,
+            map_block_granules: 32,
+        }
+    }
+
+    /// Checks the parameters; `Err` names the first bad one.
+    pub const fn validate(&self) -> Result<(), &'static str> {
+        if !self.granule.is_power_of_two() || self.granule < 8 {
+            return Err("granule must be a power of two of at least 8");
+        }
+        if self.fit_scan == 0 {
+            return Err("fit_scan must be at least 1");
+        }
+        if !self.map_block_granules.is_power_of_two() {
+            return Err("map_block_granules must be a power of two");
+        }
+        if self.granule.checked_mul(self.map_block_granules).is_none() {
+            return Err("granule * map_block_granules overflows");
+        }
+        if self.allow_growth && self.initial_region_size == 0 {
+            return Err("initial_region_size must not be 0 with allow_growth");
+        }
+        Ok(())
+    }
+}
+
+/// One region obtained from the source.
+#[derive(Clone, Copy)]
+struct Region {
+    base: usize,
+    size: usize,
+    map: NonNull<Option<ChunkHandle>>,
+    map_len: usize,
+    /// One past the highest map entry ever written (the map's touched prefix).
+    map_used: usize,
+    first: Option<ChunkHandle>,
+}
+
+impl Region {
+    const EMPTY: Region = Region {
+        base: 0,
+        size: 0,
+        map: NonNull::dangling(),
+        map_len: 0,
+        map_used: 0,
+        first: None,
+    };
+
+    #[inline]
+    fn contains(&self, addr: usize) -> bool {
+        addr.wrapping_sub(self.base) < self.size
+    }
+}
+
+/// What a free (or an in-place shrink) did: the bytes released and the free chunk they ended up in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Freed {
+    /// Start of the released range.
+    pub ptr: usize,
+    /// Length of the released range.
+    pub size: usize,
+    /// Start of the free chunk containing it after coalescing.
+    pub merged_ptr: usize,
+    /// Size of that free chunk.
+    pub merged_size: usize,
+}
+
+/// Outcome of [`Bfc::resize_in_place`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resize {
+    /// The block now has `size` usable bytes; `freed` is set when its tail was given back.
+    Done {
+        /// The new chunk size.
+        size: usize,
+        /// Released tail, if any.
+        freed: Option<Freed>,
+    },
+    /// The block cannot grow in place (its successor is not free or too small).
+    Moved,
+}
+
+/// The engine. `S` supplies regions, `T` is the storage of the chunk table (a `&mut [Chunk]`, a
+/// `Vec<Chunk>`, or memory the caller mapped).
+///
+/// Not synchronised: wrap it in a lock to share it (see [`GlobalBfc`](crate::GlobalBfc)).
+pub struct Bfc<S, T> {
+    // Immutable after construction.
+    config: Config,
+    /// `log2(granule)`.
+    granule_shift: u32,
+    /// `log2(granule * map_block_granules)`.
+    block_shift: u32,
+
+    // Mutable.
+    source: S,
+    table: ChunkTable<T>,
+    bins: Bins,
+    /// Live regions sorted by `base`; `regions[..num_regions]` are valid.
+    regions: [Region; MAX_REGIONS],
+    num_regions: usize,
+    /// Size of the next region when growing (doubles).
+    next_region_size: usize,
+    stats: Stats,
+    /// Number of chunks in use.
+    in_use_chunks: usize,
+}
+
+// SAFETY: the raw map pointers in `regions` point to storage owned exclusively by this engine (the
+// source's contract); moving the engine to another thread moves that ownership with it.
+unsafe impl<S: Send, T: Send> Send for Bfc<S, T> {}
+
+impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
+    /// Creates an engine over `source`, with chunk records stored in `table` (its length is the
+    /// capacity; its contents are overwritten as needed). Nothing is obtained from the source yet.
+    pub fn new(config: Config, source: S, table: T) -> Result<Self, &'static str> {
+        config.validate()?;
+        let block = config.granule * config.map_block_granules;
+        Ok(Bfc {
+            config,
+            granule_shift: config.granule.trailing_zeros(),
+            block_shift: block.trailing_zeros(),
+            source,
+            table: ChunkTable::new(table),
+            bins: Bins::new(),
+            regions: [Region::EMPTY; MAX_REGIONS],
+            num_regions: 0,
+            next_region_size: if config.allow_growth {
+                round_up(config.initial_region_size, config.granule).unwrap_or(usize::MAX)
+            } else {
+                0
+            },
+            stats: Stats {
+                bytes_limit: config.memory_limit,
+                ..Stats::default()
+            },
+            in_use_chunks: 0,
+        })
+    }
+
+    /// The parameters.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The memory source.
+    pub fn source(&self) -> &S {
+        &self.source
+    }
+
+    /// The memory source, mutably.
+    pub fn source_mut(&mut self) -> &mut S {
+        &mut self.source
+    }
+
+    /// Allocates `size` bytes aligned to `align` (a power of two) and returns the address.
+    ///
+    /// The block is at least `size` bytes, rounded up to the granule; [`usable_size`](Self::usable_size)
+    /// tells the exact size. Zero-sized requests get one granule.
+    ///
+    /// # Time Complexity
+    /// O(1) in the number of chunks, plus at most `fit_scan` list steps; growth calls the source.
+    #[allow(
+        clippy::result_large_err,
+        reason = "the report is the point; the Ok path stays small"
+    )]
+    pub fn allocate(&mut self, size: usize, align: usize) -> Result<usize, AllocError> {
+        if !align.is_power_of_two() || align > MAX_ALIGN {
+            return Err(AllocError::BadAlignment { align });
+        }
+        let granule = self.config.granule;
+        let align = align.max(granule);
+        let rounded = match round_up(size.max(1), granule) {
+            Some(r) if r <= isize::MAX as usize => r,
+            _ => return Err(AllocError::TooLarge { size }),
+        };
+        let needed = match rounded.checked_add(align - granule) {
+            Some(n) if n <= isize::MAX as usize => n,
+            _ => return Err(AllocError::TooLarge { size }),
+        };
+        let found = match self.find_fit(needed) {
+            Some(h) => self.take(h, rounded, align),
+            None => self.allocate_slow(rounded, align, needed),
+        };
+        match found {
+            Ok(p) => Ok(p),
+            Err(cause) => Err(self.oom_error(size, needed, cause)),
+        }
+    }
+
+    #[cold]
+    fn oom_error(&self, size: usize, needed: usize, cause: OomCause) -> AllocError {
+        AllocError::OutOfMemory(self.oom_report(size, needed, cause))
+    }
+
+    #[cold]
+    fn allocate_slow(
+        &mut self,
+        rounded: usize,
+        align: usize,
+        needed: usize,
+    ) -> Result<usize, OomCause> {
+        let mut result = self.extend(needed, align);
+        if result.is_err() && self.release_free_regions() > 0 {
+            result = self.extend(needed, align);
+        }
+        result?;
+        match self.find_fit(needed) {
+            Some(h) => self.take(h, rounded, align),
+            None => Err(OomCause::SourceRefused),
+        }
+    }
+
+    /// Frees the block at `ptr`, coalescing with free neighbours.
+    ///
+    /// Returns what was released, or an error (and changes nothing) for a pointer that is not the start
+    /// of a block in use.
+    pub fn deallocate(&mut self, ptr: usize) -> Result<Freed, FreeError> {
+        let h = self.lookup_in_use(ptr)?;
+        let size = self.table.get(h).size();
+        self.table.get_mut(h).set_in_use(false);
+        self.stats.bytes_in_use -= size;
+        self.in_use_chunks -= 1;
+        let (merged_ptr, merged_size) = self.free_and_coalesce(h);
+        Ok(Freed {
+            ptr,
+            size,
+            merged_ptr,
+            merged_size,
+        })
+    }
+
+    /// Size of the block at `ptr` (at least what was asked for).
+    pub fn usable_size(&self, ptr: usize) -> Result<usize, FreeError> {
+        self.lookup_in_use(ptr).map(|h| self.table.get(h).size())
+    }
+
+    /// Grows or shrinks the block at `ptr` to hold `new_size` bytes without moving it, if possible.
+    ///
+    /// Shrinking always succeeds (the tail is split off and freed when it is at least a granule).
+    /// Growing succeeds when the next chunk is free and large enough. [`Resize::Moved`] means the
+    /// caller must allocate, copy and free.
+    pub fn resize_in_place(&mut self, ptr: usize, new_size: usize) -> Result<Resize, FreeError> {
+        let h = self.lookup_in_use(ptr)?;
+        let granule = self.config.granule;
+        let Some(want) = round_up(new_size.max(1), granule).filter(|&w| w <= isize::MAX as usize)
+        else {
+            return Ok(Resize::Moved);
+        };
+        let have = self.table.get(h).size();
+        if want <= have {
+            if want == have {
+                return Ok(Resize::Done {
+                    size: have,
+                    freed: None,
+                });
+            }
+            let Some(tail) = self.split(h, want) else {
+                // Chunk table full: keep the block whole, which is still correct.
+                return Ok(Resize::Done {
+                    size: have,
+                    freed: None,
+                });
+            };
+            self.stats.bytes_in_use -= have - want;
+            let (merged_ptr, merged_size) = self.free_and_coalesce(tail);
+            return Ok(Resize::Done {
+                size: want,
+                freed: Some(Freed {
+                    ptr: ptr + want,
+                    size: have - want,
+                    merged_ptr,
+                    merged_size,
+                }),
+            });
+        }
+        let Some(n) = self.table.get(h).next else {
+            return Ok(Resize::Moved);
+        };
+        let next = *self.table.get(n);
+        if next.in_use() || have + next.size() < want {
+            return Ok(Resize::Moved);
+        }
+        self.bins
+            .remove(&mut self.table, n, next.size() >> self.granule_shift);
+        self.merge_next(h);
+        let total = have + next.size();
+        let mut size = total;
+        if self.should_split(total, want) {
+            if let Some(t) = self.split(h, want) {
+                let tsize = self.table.get(t).size();
+                self.bins
+                    .insert(&mut self.table, t, tsize >> self.granule_shift);
+                size = want;
+            }
+        }
+        self.stats.bytes_in_use += size - have;
+        self.stats.peak_bytes_in_use = self.stats.peak_bytes_in_use.max(self.stats.bytes_in_use);
+        self.stats.largest_alloc_size = self.stats.largest_alloc_size.max(size);
+        Ok(Resize::Done { size, freed: None })
+    }
+
+    /// Returns every fully free region to the source. Returns the bytes released.
+    pub fn release_free_regions(&mut self) -> usize {
+        let mut released = 0;
+        let mut i = 0;
+        while i < self.num_regions {
+            let r = self.regions[i];
+            let first = match r.first {
+                Some(f) => *self.table.get(f),
+                None => Chunk::EMPTY,
+            };
+            if r.first.is_some() && !first.in_use() && first.size() == r.size {
+                let f = r.first.unwrap_or_else(|| unreachable!());
+                self.bins
+                    .remove(&mut self.table, f, r.size >> self.granule_shift);
+                self.table.free(f);
+                // SAFETY: the map and region were obtained from the source with exactly these
+                // parameters, and the region's only chunk is free, so nothing in it is in use.
+                unsafe {
+                    self.source.free_map(r.base, r.map, r.map_len);
+                    self.source.free_region(r.base, r.size);
+                }
+                self.stats.bytes_reserved -= r.size;
+                self.regions.copy_within(i + 1..self.num_regions, i);
+                self.num_regions -= 1;
+                released += r.size;
+            } else {
+                i += 1;
+            }
+        }
+        released
+    }
+
+    /// Current counters. O(1) but for `largest_free_block`, which scans the top non-empty bin.
+    pub fn stats(&self) -> Stats {
+        let mut s = self.stats;
+        s.largest_free_block = self.largest_free_block();
+        s.num_chunks_in_use = self.in_use_chunks;
+        s.num_free_chunks = self.num_free_chunks();
+        s.num_regions = self.num_regions;
+        let map_entries: usize = self.regions[..self.num_regions]
+            .iter()
+            .map(|r| r.map_used)
+            .sum();
+        s.metadata_bytes = self.table.high_water() * core::mem::size_of::<Chunk>()
+            + map_entries * core::mem::size_of::<Option<ChunkHandle>>();
+        s
+    }
+
+    /// Calls `f(ptr, size)` for every free chunk of at least `min_size` bytes, in no particular order.
+    pub fn for_each_free_chunk(&self, min_size: usize, mut f: impl FnMut(usize, usize)) {
+        let min_g = (min_size >> self.granule_shift).max(1);
+        let mut b = bin_for(min_g);
+        while let Some(found) = self.bins.first_non_empty_from(b) {
+            let mut cur = self.bins.head(found);
+            while let Some(h) = cur {
+                let c = self.table.get(h);
+                if c.size() >= min_size {
+                    f(c.ptr(), c.size());
+                }
+                cur = c.free_next;
+            }
+            b = found + 1;
+        }
+    }
+
+    /// Iterates the chunks of every region in address order (for diagnostics and tests).
+    pub fn chunks(&self) -> impl Iterator<Item = Chunk> + '_ {
+        self.regions[..self.num_regions].iter().flat_map(move |r| {
+            let mut cur = r.first;
+            core::iter::from_fn(move || {
+                let h = cur?;
+                let c = *self.table.get(h);
+                cur = c.next;
+                Some(c)
+            })
+        })
+    }
+
+    /// Builds an out-of-memory report for a request of `requested` bytes.
+    pub fn oom_report(&self, requested: usize, needed: usize, cause: OomCause) -> OomReport {
+        let mut free_by_size = [BinSummary::default(); NUM_GROUPS];
+        let mut b = 0;
+        while let Some(found) = self.bins.first_non_empty_from(b) {
+            let mut cur = self.bins.head(found);
+            while let Some(h) = cur {
+                let c = self.table.get(h);
+                let e = &mut free_by_size[found / 16];
+                e.count += 1;
+                e.bytes += c.size();
+                cur = c.free_next;
+            }
+            b = found + 1;
+        }
+        OomReport {
+            requested,
+            needed,
+            stats: self.stats(),
+            cause,
+            granule: self.config.granule,
+            free_by_size,
+        }
+    }
+
+    // ---- internals ----
+
+    fn num_free_chunks(&self) -> usize {
+        // Every live record is a chunk, in use or free.
+        self.table.live() - self.in_use_chunks
+    }
+
+    fn largest_free_block(&self) -> usize {
+        let Some(b) = self.bins.last_non_empty() else {
+            return 0;
+        };
+        let mut best = 0;
+        let mut cur = self.bins.head(b);
+        while let Some(h) = cur {
+            let c = self.table.get(h);
+            best = best.max(c.size());
+            cur = c.free_next;
+        }
+        best
+    }
+
+    #[inline]
+    fn should_split(&self, chunk: usize, want: usize) -> bool {
+        let left = chunk - want;
+        left >= self.config.granule
+            && ((self.config.split_ratio != 0 && chunk / self.config.split_ratio >= want)
+                || left >= self.config.max_internal_fragmentation)
+    }
+
+    /// Finds a free chunk of at least `needed` bytes (see the module docs for the policy).
+    #[inline]
+    fn find_fit(&self, needed: usize) -> Option<ChunkHandle> {
+        let g = needed >> self.granule_shift;
+        let b = bin_for(g);
+        let mut found = self.bins.first_non_empty_from(b)?;
+        if found == b {
+            // The request's own class may hold chunks smaller than the request.
+            let mut best: Option<(usize, usize, ChunkHandle)> = None;
+            let mut cur = self.bins.head(b);
+            let mut scanned = 0;
+            while let Some(h) = cur {
+                let c = self.table.get(h);
+                let s = c.size();
+                if s >= needed {
+                    if s == needed {
+                        return Some(h);
+                    }
+                    if best.is_none_or(|(bs, bp, _)| (s, c.ptr()) < (bs, bp)) {
+                        best = Some((s, c.ptr(), h));
+                    }
+                }
+                scanned += 1;
+                if scanned >= self.config.fit_scan && best.is_some() {
+                    break;
+                }
+                if scanned >= self.config.fit_scan.max(64) {
+                    break;
+                }
+                cur = c.free_next;
+            }
+            if let Some((_, _, h)) = best {
+                return Some(h);
+            }
+            found = self.bins.first_non_empty_from(b + 1)?;
+        }
+        self.bins.head(found)
+    }
+
+    /// Hands out (part of) free chunk `h` for a request of `rounded` bytes at `align`.
+    #[inline]
+    fn take(
+        &mut self,
+        mut h: ChunkHandle,
+        rounded: usize,
+        align: usize,
+    ) -> Result<usize, OomCause> {
+        let c = *self.table.get(h);
+        self.bins
+            .remove(&mut self.table, h, c.size() >> self.granule_shift);
+        let pad = align_up(c.ptr(), align) - c.ptr();
+        if pad != 0 {
+            // The front padding stays free. Its predecessor is in use (`h` was free), so no merge.
+            match self.split(h, pad) {
+                Some(n) => {
+                    self.bins
+                        .insert(&mut self.table, h, pad >> self.granule_shift);
+                    h = n;
+                }
+                None => return Err(self.table_full(h)),
+            }
+        }
+        let have = self.table.get(h).size();
+        if self.should_split(have, rounded) {
+            // The successor of the tail is in use or absent (`h` was free), so no merge. On a full
+            // table fail rather than hand out a possibly huge chunk for a small request.
+            match self.split(h, rounded) {
+                Some(t) => {
+                    self.bins
+                        .insert(&mut self.table, t, (have - rounded) >> self.granule_shift)
+                }
+                None => return Err(self.table_full(h)),
+            }
+        }
+        let c = self.table.get_mut(h);
+        c.set_in_use(true);
+        let (ptr, got) = (c.ptr(), c.size());
+        self.in_use_chunks += 1;
+        let s = &mut self.stats;
+        s.num_allocs += 1;
+        s.bytes_in_use += got;
+        s.peak_bytes_in_use = s.peak_bytes_in_use.max(s.bytes_in_use);
+        s.largest_alloc_size = s.largest_alloc_size.max(got);
+        Ok(ptr)
+    }
+
+    /// Puts free chunk `h` (out of any bin) back and reports a full chunk table.
+    #[cold]
+    fn table_full(&mut self, h: ChunkHandle) -> OomCause {
+        let _ = self.free_and_coalesce(h);
+        OomCause::ChunkTableFull
+    }
+
+    /// Splits `h` at `offset` bytes; the new chunk (returned) takes the rest and is not in any bin.
+    /// `None` when the chunk table is full (nothing changed then).
+    #[inline]
+    fn split(&mut self, h: ChunkHandle, offset: usize) -> Option<ChunkHandle> {
+        let c = *self.table.get(h);
+        debug_assert!(offset > 0 && offset < c.size());
+        let mut rest = Chunk::EMPTY;
+        rest.ptr = c.ptr() + offset;
+        rest.set_size(c.size() - offset);
+        rest.prev = Some(h);
+        rest.next = c.next;
+        let n = self.table.alloc(rest)?;
+        if let Some(x) = c.next {
+            self.table.get_mut(x).prev = Some(n);
+        }
+        let c = self.table.get_mut(h);
+        c.next = Some(n);
+        c.set_size(offset);
+        self.map_note_start(n);
+        Some(n)
+    }
+
+    /// Merges `h` with its successor (which must be out of any bin); `h` keeps its state.
+    #[inline]
+    fn merge_next(&mut self, h: ChunkHandle) {
+        let Some(n) = self.table.get(h).next else {
+            return;
+        };
+        let nc = *self.table.get(n);
+        self.map_forget_start(n, &nc);
+        if let Some(x) = nc.next {
+            self.table.get_mut(x).prev = Some(h);
+        }
+        let c = self.table.get_mut(h);
+        c.next = nc.next;
+        let size = c.size() + nc.size();
+        c.set_size(size);
+        self.table.free(n);
+    }
+
+    /// `h` was just marked free (and is in no bin): merges it with free neighbours and bins the result.
+    /// Returns the merged chunk's `(ptr, size)`.
+    #[inline]
+    fn free_and_coalesce(&mut self, mut h: ChunkHandle) -> (usize, usize) {
+        let c = *self.table.get(h);
+        if let Some(n) = c.next {
+            let nc = *self.table.get(n);
+            if !nc.in_use() {
+                self.bins
+                    .remove(&mut self.table, n, nc.size() >> self.granule_shift);
+                self.merge_next(h);
+            }
+        }
+        if let Some(p) = c.prev {
+            let pc = *self.table.get(p);
+            if !pc.in_use() {
+                self.bins
+                    .remove(&mut self.table, p, pc.size() >> self.granule_shift);
+                self.merge_next(p);
+                h = p;
+            }
+        }
+        let c = *self.table.get(h);
+        self.bins
+            .insert(&mut self.table, h, c.size() >> self.granule_shift);
+        (c.ptr(), c.size())
+    }
+
+    /// Index of the region containing `addr`.
+    #[inline]
+    fn region_of(&self, addr: usize) -> Option<usize> {
+        let regions = &self.regions[..self.num_regions];
+        if regions.len() == 1 {
+            return regions[0].contains(addr).then_some(0);
+        }
+        let i = regions.partition_point(|r| r.base <= addr);
+        (i > 0 && regions[i - 1].contains(addr)).then(|| i - 1)
+    }
+
+    #[inline]
+    fn map_slot(&self, r: &Region, addr: usize) -> *mut Option<ChunkHandle> {
+        let block = (addr - r.base) >> self.block_shift;
+        debug_assert!(block < r.map_len);
+        // SAFETY: `addr` is inside `r`, so `block < map_len` (the map has one entry per block of the
+        // region), and the map is valid for `map_len` entries until the region is freed.
+        unsafe { r.map.as_ptr().add(block) }
+    }
+
+    /// Records that chunk `n` (just created by a split) starts where it does.
+    #[inline]
+    fn map_note_start(&mut self, n: ChunkHandle) {
+        let ptr = self.table.get(n).ptr();
+        let Some(ri) = self.region_of(ptr) else {
+            return;
+        };
+        let r = &mut self.regions[ri];
+        let block = (ptr - r.base) >> self.block_shift;
+        r.map_used = r.map_used.max(block + 1);
+        let slot = self.map_slot(&self.regions[ri], ptr);
+        // SAFETY: `slot` is a valid map entry (see `map_slot`); the engine is the only user of the map.
+        unsafe {
+            // No chunk starts between the split chunk's start and `ptr`, so `n` is the first chunk of
+            // its block unless the split chunk itself starts in the same block.
+            match *slot {
+                Some(f) if self.table.get(f).ptr() < ptr => {}
+                _ => *slot = Some(n),
+            }
+        }
+    }
+
+    /// Chunk `n` (record `nc`) is about to disappear into its predecessor.
+    #[inline]
+    fn map_forget_start(&mut self, n: ChunkHandle, nc: &Chunk) {
+        let Some(ri) = self.region_of(nc.ptr()) else {
+            return;
+        };
+        let r = self.regions[ri];
+        let slot = self.map_slot(&r, nc.ptr());
+        let block_of = |addr: usize| (addr - r.base) >> self.block_shift;
+        // SAFETY: as in `map_note_start`.
+        unsafe {
+            if *slot == Some(n) {
+                // Successors never leave the region, so `block_of` is defined for them.
+                *slot = nc
+                    .next
+                    .filter(|&x| block_of(self.table.get(x).ptr()) == block_of(nc.ptr()));
+            }
+        }
+    }
+
+    /// Finds the chunk that starts at `ptr` and is in use.
+    #[inline]
+    fn lookup_in_use(&self, ptr: usize) -> Result<ChunkHandle, FreeError> {
+        let ri = self.region_of(ptr).ok_or(FreeError::NotOwned { ptr })?;
+        let r = &self.regions[ri];
+        // SAFETY: a valid map entry (see `map_slot`).
+        let mut cur = unsafe { *self.map_slot(r, ptr) };
+        if cur.is_none() {
+            return Err(self.classify_bad_pointer(r, ptr));
+        }
+        while let Some(h) = cur {
+            let c = self.table.get(h);
+            if c.ptr() == ptr {
+                return if c.in_use() {
+                    Ok(h)
+                } else {
+                    Err(FreeError::DoubleFree { ptr })
+                };
+            }
+            if c.ptr() > ptr {
+                // `ptr` lies in the predecessor, which starts in an earlier block.
+                let p = c.prev.map(|p| *self.table.get(p));
+                return Err(interior_error(ptr, p));
+            }
+            if c.end() > ptr {
+                return Err(interior_error(ptr, Some(*c)));
+            }
+            cur = c.next;
+        }
+        Err(FreeError::NotOwned { ptr })
+    }
+
+    /// `ptr` is in region `r` but no chunk starts in its map block: find the chunk that covers it.
+    #[cold]
+    fn classify_bad_pointer(&self, r: &Region, ptr: usize) -> FreeError {
+        let mut block = (ptr - r.base) >> self.block_shift;
+        while block > 0 {
+            block -= 1;
+            // SAFETY: `block` is below the block of `ptr`, hence below `map_len`; the map is valid.
+            let entry = unsafe { *r.map.as_ptr().add(block) };
+            if let Some(mut h) = entry {
+                loop {
+                    let c = *self.table.get(h);
+                    if c.end() > ptr {
+                        return interior_error(ptr, Some(c));
+                    }
+                    match c.next {
+                        Some(n) => h = n,
+                        None => return FreeError::NotOwned { ptr },
+                    }
+                }
+            }
+        }
+        FreeError::NotOwned { ptr }
+    }
+
+    /// Obtains a region that can hold `needed` bytes at `align` from the source.
+    fn extend(&mut self, needed: usize, align: usize) -> Result<(), OomCause> {
+        if self.num_regions == MAX_REGIONS {
+            return Err(OomCause::RegionTableFull);
+        }
+        let granule = self.config.granule;
+        let available = (self.config.memory_limit - self.stats.bytes_reserved) & !(granule - 1);
+        if needed > available {
+            return Err(OomCause::LimitReached);
+        }
+        let region_align = align.clamp(granule, REGION_ALIGN_MAX);
+        // The region itself is aligned to at most 2 MiB; bigger alignments need the padding room.
+        let min = needed;
+        let mut size = if self.config.allow_growth {
+            let mut grew = false;
+            while self.next_region_size < min {
+                self.next_region_size = self.next_region_size.saturating_mul(2);
+                grew = true;
+            }
+            let size = self.next_region_size.min(available);
+            if !grew {
+                self.next_region_size = self.next_region_size.saturating_mul(2);
+            }
+            size
+        } else if self.num_regions == 0 {
+            available
+        } else {
+            return Err(OomCause::NoGrowth);
+        };
+        let base = loop {
+            if let Some(b) = self.source.alloc_region(size, region_align) {
+                break b;
+            }
+            if size == min {
+                return Err(OomCause::SourceRefused);
+            }
+            // Back off by 0.9, never below what the request needs.
+            size = ((size / 10 * 9) & !(granule - 1)).max(min);
+        };
+        self.add_region(base, size)
+    }
+
+    fn add_region(&mut self, base: usize, size: usize) -> Result<(), OomCause> {
+        let block = 1usize << self.block_shift;
+        let map_len = size.div_ceil(block);
+        let Some(map) = self.source.alloc_map(base, map_len) else {
+            // SAFETY: the region was just obtained with these parameters and holds nothing.
+            unsafe { self.source.free_region(base, size) };
+            return Err(OomCause::SourceRefused);
+        };
+        let mut first = Chunk::EMPTY;
+        first.ptr = base;
+        first.set_size(size);
+        let Some(h) = self.table.alloc(first) else {
+            // SAFETY: both were just obtained with these parameters and hold nothing.
+            unsafe {
+                self.source.free_map(base, map, map_len);
+                self.source.free_region(base, size);
+            }
+            return Err(OomCause::ChunkTableFull);
+        };
+        // SAFETY: the map holds `map_len >= 1` zeroed entries, exclusively ours.
+        unsafe { *map.as_ptr() = Some(h) };
+        let i = self.regions[..self.num_regions].partition_point(|r| r.base < base);
+        self.regions.copy_within(i..self.num_regions, i + 1);
+        self.regions[i] = Region {
+            base,
+            size,
+            map,
+            map_len,
+            map_used: 1,
+            first: Some(h),
+        };
+        self.num_regions += 1;
+        self.bins
+            .insert(&mut self.table, h, size >> self.granule_shift);
+        self.stats.bytes_reserved += size;
+        self.stats.peak_bytes_reserved = self
+            .stats
+            .peak_bytes_reserved
+            .max(self.stats.bytes_reserved);
+        Ok(())
+    }
+}
+
+#[inline]
+fn interior_error(ptr: usize, c: Option<Chunk>) -> FreeError {
+    match c {
+        Some(c) if c.in_use() => FreeError::Interior {
+            ptr,
+            block: c.ptr(),
+        },
+        Some(_) => FreeError::DoubleFree { ptr },
+        None => FreeError::NotOwned { ptr },
+    }
+}
+
+#[inline]
+const fn round_up(x: usize, to: usize) -> Option<usize> {
+    match x.checked_add(to - 1) {
+        Some(v) => Some(v & !(to - 1)),
+        None => None,
+    }
+}
+
+#[inline]
+fn align_up(x: usize, align: usize) -> usize {
+    (x + align - 1) & !(align - 1)
+}
+
+#[cfg(feature = "std")]
+pub mod sim;
+
+#[cfg(test)]
+mod tests;

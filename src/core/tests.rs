@@ -1,0 +1,412 @@
+//! Core unit tests over the simulated source. Every test runs the invariant checker after each step.
+
+extern crate std;
+
+use std::vec;
+use std::vec::Vec;
+
+use super::sim::SimSource;
+use super::*;
+
+const BASE: usize = 1 << 40;
+
+type Sim = Bfc<SimSource, Vec<Chunk>>;
+
+fn engine(config: Config) -> Sim {
+    Bfc::new(
+        config,
+        SimSource::new(BASE, 1 << 36),
+        vec![Chunk::EMPTY; 4096],
+    )
+    .unwrap()
+}
+
+fn checked(b: &Sim) {
+    if let Err(e) = b.check() {
+        panic!("{e}");
+    }
+}
+
+fn alloc(b: &mut Sim, size: usize, align: usize) -> usize {
+    let p = b
+        .allocate(size, align)
+        .unwrap_or_else(|e| panic!("alloc {size}/{align}: {e}"));
+    checked(b);
+    assert_eq!(p % align, 0);
+    p
+}
+
+fn free(b: &mut Sim, p: usize) -> Freed {
+    let f = b.deallocate(p).unwrap();
+    checked(b);
+    f
+}
+
+#[test]
+fn rounds_to_granule_and_reuses_freed_memory() {
+    let mut b = engine(Config::device(1 << 30));
+    let p = alloc(&mut b, 1, 1);
+    assert_eq!(b.usable_size(p), Ok(256));
+    let q = alloc(&mut b, 257, 1);
+    assert_eq!(b.usable_size(q), Ok(512));
+    assert_eq!(q, p + 256, "second block follows the first");
+    free(&mut b, p);
+    let r = alloc(&mut b, 200, 1);
+    assert_eq!(r, p, "freed chunk is reused");
+    let s = b.stats();
+    assert_eq!(s.num_allocs, 3);
+    assert_eq!(s.bytes_in_use, 768);
+    assert_eq!(s.largest_alloc_size, 512);
+}
+
+#[test]
+fn coalesces_both_neighbours() {
+    let mut b = engine(Config::device(1 << 30));
+    let ps: Vec<usize> = (0..4).map(|_| alloc(&mut b, 1024, 1)).collect();
+    free(&mut b, ps[0]);
+    free(&mut b, ps[2]);
+    let f = free(&mut b, ps[1]);
+    assert_eq!((f.merged_ptr, f.merged_size), (ps[0], 3 * 1024));
+    assert_eq!(
+        b.chunks().filter(|c| !c.in_use()).count(),
+        2,
+        "merged block and region tail"
+    );
+    free(&mut b, ps[3]);
+    let s = b.stats();
+    assert_eq!(s.num_free_chunks, 1);
+    assert_eq!(s.largest_free_block, s.bytes_reserved);
+}
+
+#[test]
+fn split_rule_follows_ratio_and_waste_bound() {
+    // Device rule: a 1000-granule free chunk serving a 600-granule request is not split (< 2x, waste
+    // below 128 MiB), but serving 400 granules it is.
+    let mut cfg = Config::device(1 << 30);
+    cfg.allow_growth = false;
+    let mut b = engine(cfg);
+    let a = alloc(&mut b, 1000 * 256, 1);
+    let guard = alloc(&mut b, 256, 1);
+    free(&mut b, a);
+    let x = alloc(&mut b, 600 * 256, 1);
+    assert_eq!(x, a);
+    assert_eq!(b.usable_size(x), Ok(1000 * 256), "not split below 2x");
+    free(&mut b, x);
+    let y = alloc(&mut b, 400 * 256, 1);
+    assert_eq!(b.usable_size(y), Ok(400 * 256), "split at 2x");
+    // Waste bound: with max_internal_fragmentation = 1 granule everything is split.
+    let mut cfg = Config::device(1 << 30);
+    cfg.max_internal_fragmentation = 256;
+    let mut b = engine(cfg);
+    let a = alloc(&mut b, 1000 * 256, 1);
+    let _g = alloc(&mut b, 256, 1);
+    free(&mut b, a);
+    let x = alloc(&mut b, 999 * 256, 1);
+    assert_eq!(b.usable_size(x), Ok(999 * 256));
+    let _ = guard;
+}
+
+#[test]
+fn large_alignment_splits_padding_into_a_free_chunk() {
+    let mut b = engine(Config::host(1 << 34));
+    let small = alloc(&mut b, 16, 1);
+    let big = alloc(&mut b, 100, 1 << 20);
+    assert_eq!(big % (1 << 20), 0);
+    // The padding between `small` and `big` is a free chunk, not wasted inside `big`.
+    assert_eq!(b.usable_size(big), Ok(112));
+    let pad: Vec<Chunk> = b
+        .chunks()
+        .filter(|c| !c.in_use() && c.ptr() < big)
+        .collect();
+    assert_eq!(pad.len(), 1);
+    assert_eq!(pad[0].ptr(), small + 16);
+    // Huge alignments beyond the region alignment.
+    let huge = alloc(&mut b, 4096, 1 << 30);
+    assert_eq!(huge % (1 << 30), 0);
+    free(&mut b, big);
+    free(&mut b, huge);
+    free(&mut b, small);
+    assert_eq!(b.stats().bytes_in_use, 0);
+}
+
+#[test]
+fn bad_alignment_and_sizes_fail_cleanly() {
+    let mut b = engine(Config::host(1 << 30));
+    assert_eq!(b.allocate(8, 3), Err(AllocError::BadAlignment { align: 3 }));
+    assert_eq!(
+        b.allocate(8, MAX_ALIGN * 2),
+        Err(AllocError::BadAlignment {
+            align: MAX_ALIGN * 2
+        })
+    );
+    assert_eq!(
+        b.allocate(usize::MAX - 3, 8),
+        Err(AllocError::TooLarge {
+            size: usize::MAX - 3
+        })
+    );
+    assert!(matches!(
+        b.allocate(1 << 31, 8),
+        Err(AllocError::OutOfMemory(_))
+    ));
+    checked(&b);
+    let p = alloc(&mut b, 64, 8);
+    free(&mut b, p);
+}
+
+#[test]
+fn bad_frees_are_detected_and_change_nothing() {
+    let mut b = engine(Config::host(1 << 30));
+    let p = alloc(&mut b, 64, 1);
+    let q = alloc(&mut b, 4096, 1);
+    let before = b.stats();
+    assert_eq!(b.deallocate(12345), Err(FreeError::NotOwned { ptr: 12345 }));
+    assert_eq!(
+        b.deallocate(p + 16),
+        Err(FreeError::Interior {
+            ptr: p + 16,
+            block: p
+        })
+    );
+    assert_eq!(
+        b.deallocate(q + 2048),
+        Err(FreeError::Interior {
+            ptr: q + 2048,
+            block: q
+        })
+    );
+    assert_eq!(
+        b.deallocate(p + 3),
+        Err(FreeError::Interior {
+            ptr: p + 3,
+            block: p
+        })
+    );
+    assert_eq!(b.stats(), before);
+    checked(&b);
+    free(&mut b, p);
+    assert_eq!(b.deallocate(p), Err(FreeError::DoubleFree { ptr: p }));
+    // `p` merged into nothing (its successor `q` is in use): still detected after `q` goes too and
+    // the two merge.
+    free(&mut b, q);
+    assert_eq!(b.deallocate(q), Err(FreeError::DoubleFree { ptr: q }));
+    assert_eq!(b.deallocate(p), Err(FreeError::DoubleFree { ptr: p }));
+    // A pointer into a far block of the free tail.
+    assert_eq!(
+        b.deallocate(BASE + (1 << 29)),
+        Err(FreeError::DoubleFree {
+            ptr: BASE + (1 << 29)
+        })
+    );
+    checked(&b);
+}
+
+#[test]
+fn growth_doubles_and_backs_off() {
+    let mut cfg = Config::device(1 << 30);
+    cfg.initial_region_size = 1 << 20;
+    let mut b = engine(cfg);
+    alloc(&mut b, 1000, 1);
+    // Three 1 MiB blocks: the 1 MiB region is nearly full, the 2 MiB one holds two, then 4 MiB.
+    for _ in 0..3 {
+        alloc(&mut b, 1 << 20, 1);
+    }
+    assert_eq!(b.source().requests, vec![1 << 20, 2 << 20, 4 << 20]);
+    // 3 MiB are left in the 4 MiB region; a 4 MiB block needs an 8 MiB region.
+    // The source refuses anything above 5 MiB: 8 MiB backs off by 0.9 until it fits.
+    b.source_mut().refuse_above = 5 << 20;
+    alloc(&mut b, 4 << 20, 1);
+    let reqs = &b.source().requests;
+    let granted = *reqs.last().unwrap();
+    assert!(((4 << 20)..=(5 << 20)).contains(&granted), "{reqs:?}");
+    assert!(reqs.len() > 5, "backed off in several steps: {reqs:?}");
+    for w in reqs[3..].windows(2) {
+        assert!(w[1] < w[0] && w[1] >= w[0] / 10 * 9 - 256, "{reqs:?}");
+    }
+}
+
+#[test]
+fn memory_limit_caps_reservation_and_oom_reports_occupancy() {
+    let mut cfg = Config::device(8 << 20);
+    cfg.initial_region_size = 1 << 20;
+    let mut b = engine(cfg);
+    let mut live = Vec::new();
+    loop {
+        match b.allocate(300 << 10, 1) {
+            Ok(p) => live.push(p),
+            Err(AllocError::OutOfMemory(r)) => {
+                assert_eq!(r.requested, 300 << 10);
+                assert!(r.stats.bytes_reserved <= 8 << 20);
+                assert_eq!(r.stats.bytes_limit, 8 << 20);
+                // Chunks below 2x the request are handed out whole, so in-use may exceed the sum.
+                let usable: usize = live.iter().map(|&p| b.usable_size(p).unwrap()).sum();
+                assert_eq!(r.stats.bytes_in_use, usable);
+                assert!(usable >= live.len() * (300 << 10));
+                let free: usize = r.free_by_size.iter().map(|s| s.bytes).sum();
+                assert_eq!(free, r.stats.bytes_free());
+                let text = std::format!("{r}");
+                assert!(text.contains("requested 307200 B"), "{text}");
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+        checked(&b);
+    }
+    assert!(live.len() >= 20);
+    // Keeps working after frees.
+    for p in live.drain(..) {
+        free(&mut b, p);
+    }
+    alloc(&mut b, 300 << 10, 1);
+}
+
+#[test]
+fn free_regions_are_released_and_retried_before_oom() {
+    let mut cfg = Config::device(4 << 20);
+    cfg.initial_region_size = 1 << 20;
+    let mut b = engine(cfg);
+    let a = alloc(&mut b, 1 << 20, 1); // region 1: 1 MiB
+    let c = alloc(&mut b, 1 << 20, 1); // region 2: 2 MiB
+    assert_eq!(b.stats().num_regions, 2);
+    free(&mut b, a);
+    free(&mut b, c);
+    // 3 MiB reserved, 1 MiB left under the limit: a 3 MiB request only fits after releasing both.
+    let big = alloc(&mut b, 3 << 20, 1);
+    assert!(b.source().regions_freed >= 2);
+    assert_eq!(b.stats().num_regions, 1);
+    free(&mut b, big);
+    assert_eq!(
+        b.release_free_regions(),
+        b.source().requests.last().copied().unwrap()
+    );
+    assert_eq!(b.stats().bytes_reserved, 0);
+    assert_eq!(b.source().regions_live(), 0);
+    checked(&b);
+}
+
+#[test]
+fn no_growth_takes_one_region_of_the_limit() {
+    let mut cfg = Config::device(16 << 20);
+    cfg.allow_growth = false;
+    let mut b = engine(cfg);
+    let p = alloc(&mut b, 1000, 1);
+    assert_eq!(b.source().requests, vec![16 << 20]);
+    let err = b.allocate(16 << 20, 1);
+    assert!(
+        matches!(err, Err(AllocError::OutOfMemory(r)) if r.cause == OomCause::LimitReached),
+        "{err:?}"
+    );
+    assert_eq!(b.source().requests.len(), 1, "no second region");
+    free(&mut b, p);
+}
+
+#[test]
+fn resize_in_place_grows_into_free_successor_and_shrinks() {
+    let mut b = engine(Config::host(1 << 30));
+    let p = alloc(&mut b, 64, 16);
+    let q = alloc(&mut b, 64, 16);
+    let _r = alloc(&mut b, 64, 16);
+    // Shrink splits the tail off.
+    assert!(matches!(
+        b.resize_in_place(p, 32),
+        Ok(Resize::Done {
+            size: 32,
+            freed: Some(_)
+        })
+    ));
+    checked(&b);
+    // Grow back into the freed tail.
+    assert_eq!(
+        b.resize_in_place(p, 64),
+        Ok(Resize::Done {
+            size: 64,
+            freed: None
+        })
+    );
+    checked(&b);
+    // Successor in use: must move.
+    assert_eq!(b.resize_in_place(p, 65), Ok(Resize::Moved));
+    free(&mut b, q);
+    assert_eq!(
+        b.resize_in_place(p, 128),
+        Ok(Resize::Done {
+            size: 128,
+            freed: None
+        })
+    );
+    checked(&b);
+    assert_eq!(b.resize_in_place(p, 129), Ok(Resize::Moved));
+    assert_eq!(b.stats().bytes_in_use, 128 + 64);
+    assert_eq!(
+        b.resize_in_place(q + (1 << 20), 8),
+        Err(FreeError::DoubleFree { ptr: q + (1 << 20) })
+    );
+}
+
+#[test]
+fn chunk_table_exhaustion_is_an_error_not_a_crash() {
+    let mut b: Sim = Bfc::new(
+        Config::host(1 << 30),
+        SimSource::new(BASE, 1 << 32),
+        vec![Chunk::EMPTY; 8],
+    )
+    .unwrap();
+    let mut live = Vec::new();
+    let err = loop {
+        match b.allocate(16, 16) {
+            Ok(p) => live.push(p),
+            Err(e) => break e,
+        }
+        checked(&b);
+    };
+    assert!(
+        matches!(err, AllocError::OutOfMemory(r) if r.cause == OomCause::ChunkTableFull),
+        "{err}"
+    );
+    assert!(live.len() >= 6);
+    for p in live {
+        free(&mut b, p);
+    }
+    alloc(&mut b, 16, 16);
+}
+
+#[test]
+fn stats_track_peaks_and_metadata() {
+    let mut b = engine(Config::host(1 << 30));
+    let ps: Vec<usize> = (0..100).map(|i| alloc(&mut b, 100 + i * 10, 8)).collect();
+    let s = b.stats();
+    assert_eq!(s.num_chunks_in_use, 100);
+    assert!(s.metadata_bytes > 100 * 32);
+    for p in ps {
+        free(&mut b, p);
+    }
+    let s2 = b.stats();
+    assert_eq!(s2.bytes_in_use, 0);
+    assert_eq!(s2.peak_bytes_in_use, s.bytes_in_use);
+    assert_eq!(s2.fragmentation(), 0.0);
+}
+
+#[test]
+fn checker_detects_corruption() {
+    let mut b = engine(Config::host(1 << 30));
+    let p = alloc(&mut b, 64, 8);
+    let _q = alloc(&mut b, 64, 8);
+    // Corrupt the counters and the chunk list directly.
+    b.stats.bytes_in_use += 16;
+    assert!(b.check().is_err());
+    b.stats.bytes_in_use -= 16;
+    checked(&b);
+    let h = b.lookup_in_use(p).unwrap();
+    b.table.get_mut(h).set_size(32);
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "address neighbours not contiguous"
+    );
+}
+
+#[test]
+fn near_isize_max_requests_fail() {
+    let mut b = engine(Config::host(1 << 30));
+    let r = b.allocate(isize::MAX as usize - 4096, 8);
+    assert!(matches!(r, Err(AllocError::OutOfMemory(_))), "{r:?}");
+}

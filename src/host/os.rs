@@ -1,0 +1,103 @@
+//! The only place that calls the operating system. Each function states what it needs.
+
+use core::ptr::NonNull;
+
+/// The system page size.
+pub(crate) fn page_size() -> usize {
+    // SAFETY: `sysconf` has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p <= 0 {
+        4096
+    } else {
+        p as usize
+    }
+}
+
+/// Reserves `size` bytes of zero-filled, read-write address space without committing memory
+/// (`MAP_NORESERVE`; pages are backed on first touch). `None` if the kernel refuses.
+pub(crate) fn reserve(size: usize) -> Option<NonNull<u8>> {
+    // SAFETY: an anonymous private mapping at an address of the kernel's choosing has no preconditions
+    // and aliases nothing.
+    let p = unsafe {
+        libc::mmap(
+            core::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        None
+    } else {
+        NonNull::new(p.cast())
+    }
+}
+
+/// Unmaps a reservation.
+///
+/// # Safety
+/// `ptr..ptr + size` is (part of) a mapping made by [`reserve`] that nothing uses any more.
+pub(crate) unsafe fn unreserve(ptr: NonNull<u8>, size: usize) {
+    // SAFETY: guaranteed by the caller. A failure leaves the mapping in place, which is only a leak.
+    unsafe { libc::munmap(ptr.as_ptr().cast(), size) };
+}
+
+/// Returns the pages of `ptr..ptr + size` to the kernel; they read as zero afterwards.
+///
+/// # Safety
+/// The range is page-aligned, inside a mapping made by [`reserve`], and holds nothing anyone needs.
+pub(crate) unsafe fn discard(ptr: usize, size: usize) {
+    if size == 0 {
+        return;
+    }
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    // SAFETY: guaranteed by the caller; MADV_DONTNEED on private anonymous memory zero-fills.
+    unsafe {
+        libc::madvise(ptr as *mut libc::c_void, size, libc::MADV_DONTNEED);
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    // SAFETY: guaranteed by the caller; a fixed anonymous mapping over our own range replaces its
+    // pages with fresh zero pages.
+    unsafe {
+        libc::mmap(
+            ptr as *mut libc::c_void,
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+            -1,
+            0,
+        );
+    }
+}
+
+/// Writes `msg` to standard error and aborts the process. Allocates nothing.
+pub(crate) fn fatal(args: core::fmt::Arguments<'_>) -> ! {
+    struct Buf {
+        bytes: [u8; 512],
+        len: usize,
+    }
+    impl core::fmt::Write for Buf {
+        fn write_str(&mut self, s: &str) -> core::fmt::Result {
+            let room = self.bytes.len() - self.len;
+            let n = s.len().min(room);
+            self.bytes[self.len..self.len + n].copy_from_slice(&s.as_bytes()[..n]);
+            self.len += n;
+            Ok(())
+        }
+    }
+    let mut buf = Buf {
+        bytes: [0; 512],
+        len: 0,
+    };
+    let _ = core::fmt::write(
+        &mut buf,
+        format_args!("bfc-alloc: fatal: {args}; aborting\n"),
+    );
+    // SAFETY: writing a valid buffer to fd 2 and aborting have no preconditions.
+    unsafe {
+        libc::write(2, buf.bytes.as_ptr().cast(), buf.len);
+        libc::abort()
+    }
+}

@@ -1,0 +1,36 @@
+//! `bfc-alloc`: TensorFlow's best-fit-with-coalescing allocator, written once and used twice.
+//!
+//! - [`core`]: a `no_std` engine ([`Bfc`]) over address ranges it never touches. It gets regions from
+//!   a [`MemorySource`], keeps all metadata outside them, and so manages host or device memory alike.
+//! - [`GlobalBfc`] (feature `host`, on by default): the engine behind a spinlock over a reserved `mmap`
+//!   arena, usable as `#[global_allocator]`.
+//!
+//! ```no_run
+//! #[global_allocator]
+//! static A: bfc_alloc::GlobalBfc = bfc_alloc::GlobalBfc::new();
+//!
+//! fn main() {
+//!     let v = vec![1u8; 1 << 20];
+//!     println!("{}", A.stats());
+//!     drop(v);
+//! }
+//! ```
+#![no_std]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
+
+#[cfg(feature = "std")]
+extern crate std;
+
+pub mod core;
+pub mod lock;
+mod sync;
+
+#[cfg(all(feature = "host", unix))]
+pub mod host;
+
+pub use crate::core::{
+    AllocError, Bfc, Chunk, ChunkHandle, Config, FreeError, MemorySource, OomReport, Stats,
+};
+#[cfg(all(feature = "host", unix))]
+pub use host::{GlobalBfc, HostConfig};

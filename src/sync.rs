@@ -1,0 +1,64 @@
+//! The one place that names atomics, `UnsafeCell` and spin hints.
+//!
+//! Normally these are `core`'s types; under `--cfg loom` they are loom's, so the lock that loom
+//! model-checks is the lock that ships.
+
+#[cfg(not(loom))]
+pub(crate) use core::sync::atomic::{AtomicBool, Ordering};
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{AtomicBool, Ordering};
+
+/// `UnsafeCell` with loom's closure-based access API on both builds.
+#[derive(Debug)]
+pub(crate) struct UnsafeCell<T>(
+    #[cfg(not(loom))] core::cell::UnsafeCell<T>,
+    #[cfg(loom)] loom::cell::UnsafeCell<T>,
+);
+
+impl<T> UnsafeCell<T> {
+    #[cfg(not(loom))]
+    pub(crate) const fn new(value: T) -> Self {
+        UnsafeCell(core::cell::UnsafeCell::new(value))
+    }
+
+    #[cfg(loom)]
+    pub(crate) fn new(value: T) -> Self {
+        UnsafeCell(loom::cell::UnsafeCell::new(value))
+    }
+
+    /// Runs `f` with a mutable raw pointer to the value.
+    #[inline]
+    pub(crate) fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+        #[cfg(not(loom))]
+        return f(self.0.get());
+        #[cfg(loom)]
+        return self.0.with_mut(f);
+    }
+}
+
+/// Backs off inside a spin loop; `spins` counts the caller's failed attempts.
+///
+/// Spins with the CPU hint for the first attempts, then yields the thread (with `std`), so a waiter
+/// does not burn the core its lock holder was descheduled from. Under loom every call yields, as loom
+/// requires.
+#[inline]
+pub(crate) fn spin_wait(spins: &mut u32) {
+    #[cfg(loom)]
+    {
+        let _ = spins;
+        loom::thread::yield_now();
+    }
+    #[cfg(not(loom))]
+    {
+        const SPIN_LIMIT: u32 = 64;
+        if *spins < SPIN_LIMIT {
+            *spins += 1;
+            core::hint::spin_loop();
+        } else {
+            #[cfg(feature = "std")]
+            std::thread::yield_now();
+            #[cfg(not(feature = "std"))]
+            core::hint::spin_loop();
+        }
+    }
+}

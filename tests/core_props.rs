@@ -1,0 +1,122 @@
+//! Random alloc/free/resize sequences on the core against a shadow model, with the invariant checker
+//! after every step. The engine runs over the simulated source (addresses only).
+
+use std::collections::BTreeMap;
+
+use bfc_alloc::core::sim::SimSource;
+use bfc_alloc::core::{AllocError, Bfc, Chunk, Config, Resize};
+use proptest::prelude::*;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc { size: usize, align_log2: u32 },
+    Free { pick: usize },
+    Resize { pick: usize, size: usize },
+}
+
+/// Sizes log-uniform from 1 byte to 4 MiB.
+fn size() -> impl Strategy<Value = usize> {
+    (0u32..22, any::<u32>()).prop_map(|(bits, r)| {
+        let lo = 1usize << bits;
+        lo + (r as usize % lo)
+    })
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (size(), 0u32..=20).prop_map(|(size, align_log2)| Op::Alloc { size, align_log2 }),
+        3 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        2 => (any::<usize>(), size()).prop_map(|(pick, size)| Op::Resize { pick, size }),
+    ]
+}
+
+fn run(config: Config, ops: Vec<Op>) {
+    let source = SimSource::new(1 << 44, 1 << 40);
+    let mut b = Bfc::new(config, source, vec![Chunk::EMPTY; 1 << 14]).unwrap();
+    // ptr -> (usable size, requested size)
+    let mut live: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
+    for op in ops {
+        match op {
+            Op::Alloc { size, align_log2 } => {
+                let align = 1usize << align_log2;
+                match b.allocate(size, align) {
+                    Ok(p) => {
+                        assert_eq!(p % align, 0, "alignment {align} not honoured");
+                        let usable = b.usable_size(p).unwrap();
+                        assert!(usable >= size);
+                        live.insert(p, (usable, size));
+                    }
+                    Err(AllocError::OutOfMemory(_)) => {}
+                    Err(e) => panic!("unexpected error {e}"),
+                }
+            }
+            Op::Free { pick } => {
+                if live.is_empty() {
+                    continue;
+                }
+                let p = *live.keys().nth(pick % live.len()).unwrap();
+                let (usable, _) = live.remove(&p).unwrap();
+                let f = b.deallocate(p).unwrap();
+                assert_eq!((f.ptr, f.size), (p, usable));
+                assert!(f.merged_ptr <= p && f.merged_ptr + f.merged_size >= p + usable);
+            }
+            Op::Resize { pick, size } => {
+                if live.is_empty() {
+                    continue;
+                }
+                let p = *live.keys().nth(pick % live.len()).unwrap();
+                match b.resize_in_place(p, size).unwrap() {
+                    Resize::Done { size: got, .. } => {
+                        assert!(got >= size);
+                        assert_eq!(b.usable_size(p), Ok(got));
+                        live.insert(p, (got, size));
+                    }
+                    Resize::Moved => assert!(size > live[&p].0),
+                }
+            }
+        }
+        if let Err(e) = b.check() {
+            panic!("{e}");
+        }
+        // No two live blocks overlap.
+        let mut end = 0;
+        for (&p, &(usable, _)) in &live {
+            assert!(p >= end, "blocks overlap at {p:#x}");
+            end = p + usable;
+        }
+        assert_eq!(
+            b.stats().bytes_in_use,
+            live.values().map(|v| v.0).sum::<usize>()
+        );
+    }
+    for (p, _) in live {
+        b.deallocate(p).unwrap();
+    }
+    b.check().unwrap();
+    assert_eq!(b.stats().bytes_in_use, 0);
+    assert_eq!(b.stats().num_free_chunks, b.stats().num_regions);
+}
+
+fn cases() -> u32 {
+    if cfg!(miri) {
+        4
+    } else {
+        64
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn host_config_random_ops(ops in prop::collection::vec(op(), 1..if cfg!(miri) { 40 } else { 400 })) {
+        run(Config::host(1 << 32), ops);
+    }
+
+    #[test]
+    fn device_config_with_growth_and_limit(ops in prop::collection::vec(op(), 1..if cfg!(miri) { 40 } else { 400 })) {
+        let mut c = Config::device(256 << 20);
+        c.initial_region_size = 1 << 20;
+        run(c, ops);
+    }
+}

@@ -1,0 +1,380 @@
+//! `GlobalBfc` as this test binary's global allocator: std collections, threads, realloc patterns,
+//! huge and over-aligned blocks, memory given back to the OS, and the abort paths (in child processes).
+
+use std::alloc::{alloc, alloc_zeroed, dealloc, realloc, GlobalAlloc, Layout};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::process::Command;
+use std::sync::Mutex;
+
+use bfc_alloc::GlobalBfc;
+
+#[global_allocator]
+static A: GlobalBfc = GlobalBfc::new();
+
+/// Tests that measure RSS or use GiBs run one at a time.
+static HEAVY: Mutex<()> = Mutex::new(());
+
+fn heavy() -> std::sync::MutexGuard<'static, ()> {
+    HEAVY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn rss_bytes() -> usize {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
+    let pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+#[test]
+fn std_collections_and_strings() {
+    let mut m: HashMap<String, Vec<u64>> = HashMap::new();
+    for i in 0..20_000u64 {
+        m.entry(format!("key-{}", i % 5000)).or_default().push(i);
+    }
+    assert_eq!(m.len(), 5000);
+    assert_eq!(m["key-42"], vec![42, 5042, 10042, 15042]);
+    let mut t: BTreeMap<u32, String> = (0..50_000).map(|i| (i, i.to_string())).collect();
+    t.retain(|k, _| k % 3 == 0);
+    assert_eq!(t.len(), 16_667);
+    let mut q: VecDeque<Box<[u8]>> = VecDeque::new();
+    for i in 0..10_000usize {
+        q.push_back(vec![i as u8; i % 300].into_boxed_slice());
+        if q.len() > 100 {
+            let b = q.pop_front().unwrap();
+            assert!(b.iter().all(|&x| x == b.first().copied().unwrap_or(0)));
+        }
+    }
+    let s: String = (0..1000)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect::<String>()
+        .repeat(100);
+    assert_eq!(s.len(), 100_000);
+    A.check().unwrap();
+}
+
+#[test]
+fn eight_threads_of_churn() {
+    let handles: Vec<_> = (0..8u64)
+        .map(|t| {
+            std::thread::spawn(move || {
+                let mut seed = 0x9e37_79b9 ^ t;
+                let mut live: Vec<Vec<u64>> = Vec::new();
+                for i in 0..40_000u64 {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    let n = (seed % 512) as usize + 1;
+                    live.push(vec![t * 1_000_000 + i; n]);
+                    if live.len() > 500 {
+                        let v = live.swap_remove((seed >> 20) as usize % live.len());
+                        assert!(v.iter().all(|&x| x == v[0]), "block contents changed");
+                    }
+                }
+                for v in &live {
+                    assert!(v.iter().all(|&x| x / 1_000_000 == t));
+                }
+                live.len()
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), 500);
+    }
+    A.check().unwrap();
+}
+
+#[test]
+fn realloc_patterns_preserve_contents() {
+    // Vec growth by push.
+    let mut v: Vec<u32> = Vec::new();
+    for i in 0..1_000_000u32 {
+        v.push(i);
+    }
+    assert!(v.iter().enumerate().all(|(i, &x)| x == i as u32));
+    v.truncate(10);
+    v.shrink_to_fit();
+    assert_eq!(v, (0..10).collect::<Vec<_>>());
+    // Grow and shrink in place and by moving, with a live neighbour in between.
+    unsafe {
+        let l = Layout::from_size_align(100, 16).unwrap();
+        let p = alloc(l);
+        for i in 0..100 {
+            *p.add(i) = i as u8;
+        }
+        let blocker = alloc(Layout::from_size_align(16, 16).unwrap());
+        let p2 = realloc(p, l, 10_000); // must move: the neighbour is in use
+        assert!((0..100).all(|i| *p2.add(i) == i as u8));
+        let p3 = realloc(p2, Layout::from_size_align(10_000, 16).unwrap(), 50);
+        assert_eq!(p3, p2, "shrink stays in place");
+        assert!((0..50).all(|i| *p3.add(i) == i as u8));
+        let p4 = realloc(p3, Layout::from_size_align(50, 16).unwrap(), 5000);
+        assert_eq!(p4, p3, "grows in place into the tail freed by the shrink");
+        assert!((0..50).all(|i| *p4.add(i) == i as u8));
+        dealloc(p4, Layout::from_size_align(5000, 16).unwrap());
+        dealloc(blocker, Layout::from_size_align(16, 16).unwrap());
+    }
+    A.check().unwrap();
+}
+
+#[test]
+fn over_aligned_blocks() {
+    unsafe {
+        for shift in [5u32, 12, 16, 20, 21, 24, 26, 30] {
+            let align = 1usize << shift;
+            let l = Layout::from_size_align(100, align).unwrap();
+            let p = alloc(l);
+            assert!(!p.is_null(), "align {align}");
+            assert_eq!(p as usize % align, 0, "align {align}");
+            p.write_bytes(0xab, 100);
+            let p2 = realloc(p, l, 1 << 20);
+            assert_eq!(p2 as usize % align, 0, "realloc keeps align {align}");
+            assert_eq!(*p2.add(99), 0xab);
+            dealloc(p2, Layout::from_size_align(1 << 20, align).unwrap());
+        }
+        // Padding in front of aligned blocks is reusable, not wasted.
+        let before = A.stats().bytes_in_use;
+        let l = Layout::from_size_align(64, 1 << 20).unwrap();
+        let p = alloc(l);
+        assert!(A.stats().bytes_in_use - before < 4096);
+        dealloc(p, l);
+    }
+    A.check().unwrap();
+}
+
+#[test]
+fn multi_gib_virtual_allocations() {
+    let _g = heavy();
+    unsafe {
+        let l = Layout::from_size_align(8 << 30, 4096).unwrap();
+        let p = alloc(l);
+        assert!(!p.is_null());
+        for gib in 0..8 {
+            *p.add(gib << 30) = gib as u8;
+        }
+        assert_eq!(*p.add(7 << 30), 7);
+        dealloc(p, l);
+        // A zeroed multi-GiB block: zero without touching every page.
+        let rss0 = rss_bytes();
+        let z = alloc_zeroed(l);
+        assert!(!z.is_null());
+        assert_eq!(*z.add(5 << 30), 0);
+        assert!(
+            rss_bytes() < rss0 + (64 << 20),
+            "alloc_zeroed must not commit the block"
+        );
+        dealloc(z, l);
+    }
+    let v = vec![0u64; 512 << 20]; // 4 GiB through alloc_zeroed
+    assert_eq!(v[400 << 20], 0);
+    drop(v);
+    A.check().unwrap();
+}
+
+#[test]
+fn zeroed_memory_is_zero_after_reuse() {
+    let _g = heavy();
+    unsafe {
+        for size in [24usize, 4000, 3 << 20] {
+            let l = Layout::from_size_align(size, 8).unwrap();
+            let p = alloc(l);
+            p.write_bytes(0xff, size);
+            dealloc(p, l);
+            let z = alloc_zeroed(l);
+            assert!((0..size).all(|i| *z.add(i) == 0), "size {size}");
+            dealloc(z, l);
+        }
+    }
+}
+
+#[test]
+fn larger_than_the_arena_returns_null() {
+    unsafe {
+        // `black_box`: an allocation whose pointer never escapes may be elided by the optimiser.
+        let l = Layout::from_size_align(1 << 40, 8).unwrap(); // 1 TiB > 64 GiB arena
+        assert!(std::hint::black_box(alloc(l)).is_null());
+        let l = Layout::from_size_align(isize::MAX as usize - 4096, 8).unwrap();
+        assert!(std::hint::black_box(alloc(l)).is_null());
+        assert!(A.alloc(l).is_null());
+    }
+    // And keeps working.
+    let v = vec![1u8; 1000];
+    assert_eq!(v.iter().map(|&x| x as usize).sum::<usize>(), 1000);
+}
+
+#[test]
+fn rss_falls_after_a_large_free() {
+    let _g = heavy();
+    let size = 256 << 20;
+    let mut v = vec![0u8; size];
+    for i in (0..size).step_by(4096) {
+        v[i] = 1; // commit every page
+    }
+    let with = rss_bytes();
+    drop(v);
+    let without = rss_bytes();
+    println!(
+        "RSS with a 256 MiB block: {} MiB, after free: {} MiB",
+        with >> 20,
+        without >> 20
+    );
+    assert!(
+        with - without > 200 << 20,
+        "RSS fell by only {} MiB",
+        (with - without) >> 20
+    );
+    // Small blocks freed into a big free chunk are returned by the sweep.
+    let blocks: Vec<Box<[u8; 4096]>> = (0..32_768).map(|_| Box::new([1u8; 4096])).collect();
+    let with = rss_bytes();
+    drop(blocks);
+    A.release_free_memory();
+    let without = rss_bytes();
+    println!(
+        "RSS with 128 MiB of 4 KiB blocks: {} MiB, after free + release: {} MiB",
+        with >> 20,
+        without >> 20
+    );
+    assert!(with - without > 100 << 20);
+}
+
+#[test]
+fn stats_follow_allocations() {
+    let _g = heavy();
+    let before = A.stats();
+    let v = vec![0u8; 10 << 20];
+    let during = A.stats();
+    assert!(during.bytes_in_use >= before.bytes_in_use + (10 << 20) - (1 << 20));
+    assert!(during.num_allocs > before.num_allocs);
+    assert!(during.largest_alloc_size >= 10 << 20);
+    assert!(during.peak_bytes_in_use >= during.bytes_in_use);
+    assert_eq!(during.bytes_reserved, A.arena_size());
+    assert_eq!(A.usable_size(v.as_ptr()), Some(10 << 20));
+    drop(v);
+    assert!(A.stats().metadata_bytes > 0);
+}
+
+#[test]
+fn allocator_api2_allocate_and_grow() {
+    use allocator_api2::alloc::Allocator;
+    let l = Layout::from_size_align(48, 16).unwrap();
+    let p = A.allocate(l).unwrap();
+    unsafe {
+        p.cast::<u8>().as_ptr().write_bytes(7, 48);
+        let g = A
+            .grow(p.cast(), l, Layout::from_size_align(4096, 16).unwrap())
+            .unwrap();
+        assert_eq!(*g.cast::<u8>().as_ptr().add(47), 7);
+        let g2 = A
+            .grow(
+                g.cast(),
+                Layout::from_size_align(4096, 16).unwrap(),
+                Layout::from_size_align(8192, 4096).unwrap(),
+            )
+            .unwrap();
+        assert_eq!(g2.cast::<u8>().as_ptr() as usize % 4096, 0);
+        assert_eq!(*g2.cast::<u8>().as_ptr().add(47), 7);
+        A.deallocate(g2.cast(), Layout::from_size_align(8192, 4096).unwrap());
+    }
+}
+
+#[test]
+fn a_private_instance_works_beside_the_global_one() {
+    let local = GlobalBfc::with_config(bfc_alloc::HostConfig {
+        arena_size: 1 << 30,
+        ..bfc_alloc::HostConfig::DEFAULT
+    });
+    unsafe {
+        let l = Layout::from_size_align(1000, 8).unwrap();
+        let p = local.alloc(l);
+        assert!(!p.is_null());
+        assert_eq!(local.arena_size(), 1 << 30);
+        assert!(local
+            .alloc(Layout::from_size_align(2 << 30, 8).unwrap())
+            .is_null());
+        local.dealloc(p, l);
+    }
+    local.check().unwrap();
+}
+
+// ---- abort paths, each in a child process ----
+
+const CHILD_ENV: &str = "BFC_ALLOC_CHILD_CASE";
+
+/// Runs this test binary again with `case` selected and returns (exit status, stderr).
+fn run_child(case: &str) -> (std::process::ExitStatus, String) {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, case)
+        .output()
+        .unwrap();
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The child side: does the bad thing named by the environment. A no-op in a normal run.
+#[test]
+fn child_entry() {
+    let Ok(case) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    unsafe {
+        let l = Layout::from_size_align(64, 8).unwrap();
+        let p = alloc(l);
+        let _keep = alloc(l);
+        match case.as_str() {
+            "double_free" => {
+                dealloc(p, l);
+                dealloc(p, l);
+            }
+            "interior" => dealloc(p.add(16), l),
+            "foreign" => {
+                let mut x = 0u64;
+                dealloc(&mut x as *mut u64 as *mut u8, l);
+            }
+            "realloc_foreign" => {
+                let mut x = 0u64;
+                let _ = realloc(&mut x as *mut u64 as *mut u8, l, 128);
+            }
+            _ => panic!("unknown case"),
+        }
+    }
+    println!("child survived: {case}");
+}
+
+fn assert_aborts(case: &str, message: &str) {
+    let (status, stderr) = run_child(case);
+    assert!(!status.success(), "{case}: child exited successfully");
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc_sigabrt()), "{case}: {status:?}");
+    }
+    assert!(
+        stderr.contains("bfc-alloc: fatal:") && stderr.contains(message),
+        "{case}: stderr was {stderr:?}"
+    );
+}
+
+fn libc_sigabrt() -> i32 {
+    6
+}
+
+#[test]
+fn double_free_aborts_with_a_clear_message() {
+    assert_aborts("double_free", "double free of pointer");
+}
+
+#[test]
+fn interior_pointer_free_aborts() {
+    assert_aborts("interior", "into the middle of the block");
+}
+
+#[test]
+fn foreign_pointer_free_aborts() {
+    assert_aborts("foreign", "does not own");
+}
+
+#[test]
+fn foreign_pointer_realloc_aborts() {
+    assert_aborts("realloc_foreign", "realloc: free of pointer");
+}
