@@ -30,12 +30,21 @@ impl Rng {
 /// Mixed-size churn: live set of 10,000 blocks, sizes log-uniform 8..4096, random replacement, first
 /// byte written. Returns ns per replacement step.
 fn churn(a: &dyn GlobalAlloc, steps: usize) -> f64 {
+    churn_sizes(a, steps, 8, 4096)
+}
+
+/// The same churn over sizes 4 KiB..64 KiB: every request goes to the BFC engine (no slab layer).
+fn churn_core(a: &dyn GlobalAlloc, steps: usize) -> f64 {
+    churn_sizes(a, steps, 4097, 65536)
+}
+
+fn churn_sizes(a: &dyn GlobalAlloc, steps: usize, lo: usize, hi: usize) -> f64 {
     const LIVE: usize = 10_000;
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut live: Vec<(*mut u8, Layout)> = Vec::with_capacity(LIVE);
     unsafe {
         for _ in 0..LIVE {
-            let l = Layout::from_size_align(rng.log_uniform(8, 4096), 8).unwrap();
+            let l = Layout::from_size_align(rng.log_uniform(lo, hi), 8).unwrap();
             let p = a.alloc(l);
             *p = 1;
             live.push((p, l));
@@ -45,7 +54,7 @@ fn churn(a: &dyn GlobalAlloc, steps: usize) -> f64 {
             let i = rng.next() as usize % LIVE;
             let (p, l) = live[i];
             a.dealloc(p, l);
-            let l = Layout::from_size_align(rng.log_uniform(8, 4096), 8).unwrap();
+            let l = Layout::from_size_align(rng.log_uniform(lo, hi), 8).unwrap();
             let p = a.alloc(l);
             *p = 1;
             live[i] = (p, l);
@@ -146,8 +155,9 @@ fn main() {
         fn(&dyn GlobalAlloc, usize) -> f64,
         usize,
     );
-    let workloads: [Workload; 4] = [
+    let workloads: [Workload; 5] = [
         ("mixed-size churn", "ns/step", churn, 50_000 * scale),
+        ("churn 4K..64K core", "ns/step", churn_core, 20_000 * scale),
         ("32-byte pairs", "ns/pair", pairs, 500_000 * scale),
         ("Vec growth", "ns/push", vec_growth, 2 * scale),
         ("large 64K..16M", "ns/step", large, 500 * scale),

@@ -94,6 +94,9 @@ fn run(config: Config, ops: Vec<Op>) {
     }
     b.check().unwrap();
     assert_eq!(b.stats().bytes_in_use, 0);
+    b.flush_quick_lists();
+    b.check().unwrap();
+    // Everything coalesced back: one free chunk per region.
     assert_eq!(b.stats().num_free_chunks, b.stats().num_regions);
 }
 

@@ -318,15 +318,27 @@ fn child_entry() {
         return;
     };
     unsafe {
+        // `black_box`: the optimiser may elide an allocation whose pointer does not escape.
         let l = Layout::from_size_align(64, 8).unwrap();
-        let p = alloc(l);
-        let _keep = alloc(l);
+        let p = std::hint::black_box(alloc(l));
+        let _keep = std::hint::black_box(alloc(l));
         match case.as_str() {
             "double_free" => {
                 dealloc(p, l);
                 dealloc(p, l);
             }
-            "interior" => dealloc(p.add(16), l),
+            "interior" => dealloc(std::hint::black_box(p.add(16)), l),
+            "interior_large" => {
+                let big = Layout::from_size_align(100_000, 8).unwrap();
+                let q = std::hint::black_box(alloc(big));
+                dealloc(std::hint::black_box(q.add(4096)), big);
+            }
+            "double_free_large" => {
+                let big = Layout::from_size_align(100_000, 8).unwrap();
+                let q = std::hint::black_box(alloc(big));
+                dealloc(q, big);
+                dealloc(std::hint::black_box(q), big);
+            }
             "foreign" => {
                 let mut x = 0u64;
                 dealloc(&mut x as *mut u64 as *mut u8, l);
@@ -367,6 +379,12 @@ fn double_free_aborts_with_a_clear_message() {
 #[test]
 fn interior_pointer_free_aborts() {
     assert_aborts("interior", "into the middle of the block");
+}
+
+#[test]
+fn large_block_double_free_and_interior_free_abort() {
+    assert_aborts("double_free_large", "double free of pointer");
+    assert_aborts("interior_large", "into the middle of the block");
 }
 
 #[test]

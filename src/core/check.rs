@@ -26,6 +26,8 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         let granule = self.config.granule;
         let mut in_use_bytes = 0usize;
         let mut in_use_chunks = 0usize;
+        let mut cached_bytes = 0usize;
+        let mut cached_chunks = 0usize;
         let mut free_chunks = 0usize;
         let mut reserved = 0usize;
         let mut total_chunks = 0usize;
@@ -69,7 +71,13 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
                     }
                     None => {}
                 }
-                if c.in_use() {
+                if c.cached() {
+                    if !c.in_use() || c.free_prev.is_some() {
+                        return fail("cached chunk not marked unavailable, or in a bin", c.ptr());
+                    }
+                    cached_bytes += c.size();
+                    cached_chunks += 1;
+                } else if c.in_use() {
                     in_use_bytes += c.size();
                     in_use_chunks += 1;
                     if c.free_prev.is_some() || c.free_next.is_some() {
@@ -116,6 +124,33 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         }
         if binned != free_chunks {
             return fail("free chunks missing from the bins", 0);
+        }
+        // Quick lists: right sizes and lengths, cached flag set, totals matching the region walk.
+        let (mut listed, mut listed_bytes) = (0usize, 0usize);
+        for (g, &head) in self.quick_heads.iter().enumerate() {
+            let mut cur = head;
+            let mut len = 0usize;
+            while let Some(h) = cur {
+                let c = self.table.get(h);
+                len += 1;
+                if !c.cached() || c.size() != g * granule || len > self.config.quick_depth {
+                    return fail("quick list holds a wrong chunk or is too long", c.ptr());
+                }
+                listed_bytes += c.size();
+                cur = c.free_next;
+            }
+            if len != self.quick_len[g] as usize || (g > self.quick_max_g && len > 0) {
+                return fail("quick list length disagrees", 0);
+            }
+            listed += len;
+        }
+        if (listed, listed_bytes) != (cached_chunks, cached_bytes)
+            || (cached_chunks, cached_bytes) != (self.cached_chunks, self.cached_bytes)
+        {
+            return fail(
+                "cached chunks disagree with the quick lists or the counters",
+                0,
+            );
         }
         if !self.bins.bitmaps_consistent() {
             return fail("bin bitmaps disagree with the bins", 0);

@@ -39,6 +39,13 @@ fn unreachable_handle() -> ! {
 /// Bit 0 of [`Chunk::size_flags`]: the chunk is in use. Granules are at least 8 bytes, so the low three
 /// bits of a size are always zero.
 const IN_USE: usize = 1;
+/// Bit 1: the chunk sits in a quick list. Such a chunk also has [`IN_USE`] set, so neighbours never
+/// merge with it and it is in no bin; to callers it is free.
+const CACHED: usize = 2;
+/// Bit 2: a free chunk whose whole pages the memory's owner has already returned to the OS (see
+/// [`Bfc::sweep_dirty`](super::Bfc::sweep_dirty)). Cleared when the chunk is handed out or merged with
+/// a chunk that is not clean; kept by both halves of a split.
+const CLEAN: usize = 4;
 const FLAGS: usize = 0b111;
 
 /// One chunk record: 32 bytes on 64-bit targets.
@@ -88,21 +95,49 @@ impl Chunk {
         self.size_flags & !FLAGS
     }
 
-    /// Whether the chunk is handed out.
+    /// Whether the chunk is unavailable to the bins: handed out, or held in a quick list.
     #[inline]
     pub fn in_use(&self) -> bool {
         self.size_flags & IN_USE != 0
     }
 
+    /// Whether the chunk is held in a quick list (free to callers, not yet coalesced).
+    #[inline]
+    pub fn cached(&self) -> bool {
+        self.size_flags & CACHED != 0
+    }
+
+    /// Whether the chunk is handed out to a caller.
+    #[inline]
+    pub fn allocated(&self) -> bool {
+        self.size_flags & (IN_USE | CACHED) == IN_USE
+    }
+
     #[inline]
     pub(crate) fn set_size(&mut self, size: usize) {
         debug_assert_eq!(size & FLAGS, 0);
-        self.size_flags = size | (self.size_flags & IN_USE);
+        self.size_flags = size | (self.size_flags & FLAGS);
     }
 
     #[inline]
     pub(crate) fn set_in_use(&mut self, in_use: bool) {
         self.size_flags = self.size() | in_use as usize;
+    }
+
+    /// Whether the chunk is free and known to have its pages returned (see [`CLEAN`]).
+    #[inline]
+    pub fn clean(&self) -> bool {
+        self.size_flags & CLEAN != 0
+    }
+
+    #[inline]
+    pub(crate) fn set_clean(&mut self, clean: bool) {
+        self.size_flags = (self.size_flags & !CLEAN) | if clean { CLEAN } else { 0 };
+    }
+
+    #[inline]
+    pub(crate) fn set_cached(&mut self) {
+        self.size_flags = self.size() | IN_USE | CACHED;
     }
 
     #[inline]

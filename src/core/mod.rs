@@ -34,6 +34,16 @@
 //! chunk. On free a chunk merges with both address neighbours when they are free, so no two adjacent
 //! chunks are ever both free.
 //!
+//! # Quick lists
+//!
+//! Freed chunks of at most [`Config::quick_max_size`] bytes can be held, uncoalesced, in per-size LIFO
+//! *quick lists* (dlmalloc's fastbins, glibc's tcache), at most [`Config::quick_depth`] per size, so a
+//! block freed and requested again costs a list pop instead of a merge and a split. The bound on
+//! memory held this way is `quick_depth * sum(sizes up to quick_max_size)` (1 MiB with the host
+//! defaults). Quick lists are threaded through the chunk records, never through the managed memory,
+//! and are flushed into the bins before growing, before releasing regions, and on
+//! [`Bfc::flush_quick_lists`]. They are off in [`Config::device`].
+//!
 //! # Growth
 //!
 //! With `allow_growth` the first region is `initial_region_size` and each new one doubles (as big as
@@ -90,7 +100,15 @@ pub struct Config {
     pub fit_scan: usize,
     /// Granules per pointer-map block: a power of two. Larger saves map memory, smaller shortens lookups.
     pub map_block_granules: usize,
+    /// Largest chunk (bytes) kept in a quick list when freed; 0 disables them. At most
+    /// [`QUICK_MAX_GRANULES`] granules.
+    pub quick_max_size: usize,
+    /// Chunks kept per quick-list size.
+    pub quick_depth: usize,
 }
+
+/// Largest quick-list size in granules.
+pub const QUICK_MAX_GRANULES: usize = 64;
 
 impl Config {
     /// TensorFlow's device settings: 256-byte granule, split at 2x or 128 MiB waste, growth from 2 MiB.
@@ -104,10 +122,13 @@ impl Config {
             max_internal_fragmentation: 128 << 20,
             fit_scan: 8,
             map_block_granules: 32,
+            quick_max_size: 0,
+            quick_depth: 0,
         }
     }
 
-    /// Host settings: 16-byte granule and a split whenever at least one granule would be left over.
+    /// Host settings: 16-byte granule, a split whenever at least one granule would be left over, and
+    /// quick lists up to 1 KiB, 32 deep.
     pub const fn host(memory_limit: usize) -> Self {
         Config {
             granule: 16,
@@ -118,6 +139,8 @@ impl Config {
             max_internal_fragmentation: 16,
             fit_scan: 8,
             map_block_granules: 32,
+            quick_max_size: 1024,
+            quick_depth: 32,
         }
     }
 
@@ -134,6 +157,11 @@ impl Config {
         }
         if self.granule.checked_mul(self.map_block_granules).is_none() {
             return Err("granule * map_block_granules overflows");
+        }
+        if self.quick_max_size / self.granule > QUICK_MAX_GRANULES
+            || self.quick_depth > u16::MAX as usize
+        {
+            return Err("quick_max_size above 64 granules or quick_depth above 65535");
         }
         if self.allow_growth && self.initial_region_size == 0 {
             return Err("initial_region_size must not be 0 with allow_growth");
@@ -219,8 +247,17 @@ pub struct Bfc<S, T> {
     /// Size of the next region when growing (doubles).
     next_region_size: usize,
     stats: Stats,
-    /// Number of chunks in use.
+    /// Number of chunks handed out to callers.
     in_use_chunks: usize,
+    /// `quick_heads[g]`: LIFO list (through `free_next`) of cached chunks of `g` granules; its length is
+    /// `quick_len[g] <= quick_depth`. Every chunk on it has the cached flag.
+    quick_heads: [Option<ChunkHandle>; QUICK_MAX_GRANULES + 1],
+    quick_len: [u16; QUICK_MAX_GRANULES + 1],
+    /// `quick_max_size` in granules.
+    quick_max_g: usize,
+    /// Sum of the cached chunks' sizes, and their number.
+    cached_bytes: usize,
+    cached_chunks: usize,
 }
 
 // SAFETY: the raw map pointers in `regions` point to storage owned exclusively by this engine (the
@@ -252,6 +289,15 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
                 ..Stats::default()
             },
             in_use_chunks: 0,
+            quick_heads: [None; QUICK_MAX_GRANULES + 1],
+            quick_len: [0; QUICK_MAX_GRANULES + 1],
+            quick_max_g: if config.quick_depth == 0 {
+                0
+            } else {
+                config.quick_max_size >> config.granule.trailing_zeros()
+            },
+            cached_bytes: 0,
+            cached_chunks: 0,
         })
     }
 
@@ -295,6 +341,14 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
             Some(n) if n <= isize::MAX as usize => n,
             _ => return Err(AllocError::TooLarge { size }),
         };
+        if needed == rounded {
+            let g = rounded >> self.granule_shift;
+            if g <= self.quick_max_g {
+                if let Some(h) = self.quick_heads[g] {
+                    return Ok(self.quick_pop(h, g));
+                }
+            }
+        }
         let found = match self.find_fit(needed) {
             Some(h) => self.take(h, rounded, align),
             None => self.allocate_slow(rounded, align, needed),
@@ -317,6 +371,12 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         align: usize,
         needed: usize,
     ) -> Result<usize, OomCause> {
+        if self.cached_chunks > 0 {
+            self.flush_quick_lists();
+            if let Some(h) = self.find_fit(needed) {
+                return self.take(h, rounded, align);
+            }
+        }
         let mut result = self.extend(needed, align);
         if result.is_err() && self.release_free_regions() > 0 {
             result = self.extend(needed, align);
@@ -335,9 +395,25 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
     pub fn deallocate(&mut self, ptr: usize) -> Result<Freed, FreeError> {
         let h = self.lookup_in_use(ptr)?;
         let size = self.table.get(h).size();
-        self.table.get_mut(h).set_in_use(false);
         self.stats.bytes_in_use -= size;
         self.in_use_chunks -= 1;
+        let g = size >> self.granule_shift;
+        if g <= self.quick_max_g && (self.quick_len[g] as usize) < self.config.quick_depth {
+            let c = self.table.get_mut(h);
+            c.set_cached();
+            c.free_next = self.quick_heads[g];
+            self.quick_heads[g] = Some(h);
+            self.quick_len[g] += 1;
+            self.cached_bytes += size;
+            self.cached_chunks += 1;
+            return Ok(Freed {
+                ptr,
+                size,
+                merged_ptr: ptr,
+                merged_size: size,
+            });
+        }
+        self.table.get_mut(h).set_in_use(false);
         let (merged_ptr, merged_size) = self.free_and_coalesce(h);
         Ok(Freed {
             ptr,
@@ -417,8 +493,26 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         Ok(Resize::Done { size, freed: None })
     }
 
-    /// Returns every fully free region to the source. Returns the bytes released.
+    /// Moves every quick-listed chunk into the bins, coalescing it with free neighbours.
+    pub fn flush_quick_lists(&mut self) {
+        for g in 1..=self.quick_max_g {
+            while let Some(h) = self.quick_heads[g] {
+                let c = self.table.get_mut(h);
+                self.quick_heads[g] = c.free_next;
+                c.free_next = None;
+                c.set_in_use(false);
+                let _ = self.free_and_coalesce(h);
+            }
+            self.quick_len[g] = 0;
+        }
+        self.cached_bytes = 0;
+        self.cached_chunks = 0;
+    }
+
+    /// Returns every fully free region to the source (after flushing the quick lists). Returns the
+    /// bytes released.
     pub fn release_free_regions(&mut self) -> usize {
+        self.flush_quick_lists();
         let mut released = 0;
         let mut i = 0;
         while i < self.num_regions {
@@ -449,12 +543,20 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         released
     }
 
+    /// Bytes in chunks handed out (same as `stats().bytes_in_use`, cheaper).
+    #[inline]
+    pub fn bytes_in_use(&self) -> usize {
+        self.stats.bytes_in_use
+    }
+
     /// Current counters. O(1) but for `largest_free_block`, which scans the top non-empty bin.
     pub fn stats(&self) -> Stats {
         let mut s = self.stats;
         s.largest_free_block = self.largest_free_block();
         s.num_chunks_in_use = self.in_use_chunks;
         s.num_free_chunks = self.num_free_chunks();
+        s.num_cached_chunks = self.cached_chunks;
+        s.bytes_cached = self.cached_bytes;
         s.num_regions = self.num_regions;
         let map_entries: usize = self.regions[..self.num_regions]
             .iter()
@@ -480,6 +582,31 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
             }
             b = found + 1;
         }
+    }
+
+    /// Calls `f(ptr, size)` for every free chunk of at least `min_size` bytes that is not marked clean,
+    /// then marks it clean. The engine only keeps the flag: a caller that returns a chunk's pages to
+    /// the OS in `f` can skip it next time. A chunk loses the mark when handed out or merged with a
+    /// chunk that has none (a freshly freed one). Returns the number of chunks visited.
+    pub fn sweep_dirty(&mut self, min_size: usize, mut f: impl FnMut(usize, usize)) -> usize {
+        let min_g = (min_size >> self.granule_shift).max(1);
+        let mut b = bin_for(min_g);
+        let mut n = 0;
+        while let Some(found) = self.bins.first_non_empty_from(b) {
+            let mut cur = self.bins.head(found);
+            while let Some(h) = cur {
+                let c = self.table.get_mut(h);
+                if c.size() >= min_size && !c.clean() {
+                    c.set_clean(true);
+                    let (ptr, size) = (c.ptr(), c.size());
+                    f(ptr, size);
+                    n += 1;
+                }
+                cur = self.table.get(h).free_next;
+            }
+            b = found + 1;
+        }
+        n
     }
 
     /// Iterates the chunks of every region in address order (for diagnostics and tests).
@@ -523,8 +650,28 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
     // ---- internals ----
 
     fn num_free_chunks(&self) -> usize {
-        // Every live record is a chunk, in use or free.
-        self.table.live() - self.in_use_chunks
+        // Every live record is a chunk: handed out, cached, or free in a bin.
+        self.table.live() - self.in_use_chunks - self.cached_chunks
+    }
+
+    /// Hands out cached chunk `h`, the head of quick list `g`.
+    #[inline]
+    fn quick_pop(&mut self, h: ChunkHandle, g: usize) -> usize {
+        let c = self.table.get_mut(h);
+        self.quick_heads[g] = c.free_next;
+        c.free_next = None;
+        c.set_in_use(true);
+        let (ptr, size) = (c.ptr(), c.size());
+        self.quick_len[g] -= 1;
+        self.cached_bytes -= size;
+        self.cached_chunks -= 1;
+        self.in_use_chunks += 1;
+        let s = &mut self.stats;
+        s.num_allocs += 1;
+        s.bytes_in_use += size;
+        s.peak_bytes_in_use = s.peak_bytes_in_use.max(s.bytes_in_use);
+        s.largest_alloc_size = s.largest_alloc_size.max(size);
+        ptr
     }
 
     fn largest_free_block(&self) -> usize {
@@ -651,6 +798,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         let mut rest = Chunk::EMPTY;
         rest.ptr = c.ptr() + offset;
         rest.set_size(c.size() - offset);
+        rest.set_clean(c.clean());
         rest.prev = Some(h);
         rest.next = c.next;
         let n = self.table.alloc(rest)?;
@@ -679,6 +827,8 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         c.next = nc.next;
         let size = c.size() + nc.size();
         c.set_size(size);
+        let clean = c.clean() && nc.clean();
+        c.set_clean(clean);
         self.table.free(n);
     }
 
@@ -785,7 +935,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         while let Some(h) = cur {
             let c = self.table.get(h);
             if c.ptr() == ptr {
-                return if c.in_use() {
+                return if c.allocated() {
                     Ok(h)
                 } else {
                     Err(FreeError::DoubleFree { ptr })
@@ -881,6 +1031,8 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         let mut first = Chunk::EMPTY;
         first.ptr = base;
         first.set_size(size);
+        // Fresh from the source: nothing touched yet.
+        first.set_clean(true);
         let Some(h) = self.table.alloc(first) else {
             // SAFETY: both were just obtained with these parameters and hold nothing.
             unsafe {
@@ -916,7 +1068,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
 #[inline]
 fn interior_error(ptr: usize, c: Option<Chunk>) -> FreeError {
     match c {
-        Some(c) if c.in_use() => FreeError::Interior {
+        Some(c) if c.allocated() => FreeError::Interior {
             ptr,
             block: c.ptr(),
         },

@@ -25,8 +25,12 @@ pub struct Stats {
     pub largest_free_block: usize,
     /// Number of chunks in use.
     pub num_chunks_in_use: usize,
-    /// Number of free chunks.
+    /// Number of free chunks in the bins.
     pub num_free_chunks: usize,
+    /// Number of freed chunks held in quick lists (free to callers, not yet coalesced).
+    pub num_cached_chunks: usize,
+    /// Their total size.
+    pub bytes_cached: usize,
     /// Number of regions.
     pub num_regions: usize,
     /// Bytes of metadata kept outside the managed memory: chunk records ever used plus the touched
@@ -73,8 +77,8 @@ impl fmt::Display for Stats {
         writeln!(f, "fragmentation:       {:.4}", self.fragmentation())?;
         writeln!(
             f,
-            "chunks in use/free:  {}/{}",
-            self.num_chunks_in_use, self.num_free_chunks
+            "chunks in use/free/cached: {}/{}/{} ({} B cached)",
+            self.num_chunks_in_use, self.num_free_chunks, self.num_cached_chunks, self.bytes_cached
         )?;
         writeln!(f, "regions:             {}", self.num_regions)?;
         write!(

@@ -302,7 +302,9 @@ fn no_growth_takes_one_region_of_the_limit() {
 
 #[test]
 fn resize_in_place_grows_into_free_successor_and_shrinks() {
-    let mut b = engine(Config::host(1 << 30));
+    let mut cfg = Config::host(1 << 30);
+    cfg.quick_max_size = 0;
+    let mut b = engine(cfg);
     let p = alloc(&mut b, 64, 16);
     let q = alloc(&mut b, 64, 16);
     let _r = alloc(&mut b, 64, 16);
@@ -380,7 +382,12 @@ fn stats_track_peaks_and_metadata() {
     for p in ps {
         free(&mut b, p);
     }
+    let cached = b.stats();
+    assert!(cached.num_cached_chunks > 0 && cached.bytes_cached > 0);
+    b.flush_quick_lists();
+    checked(&b);
     let s2 = b.stats();
+    assert_eq!((s2.num_cached_chunks, s2.bytes_cached), (0, 0));
     assert_eq!(s2.bytes_in_use, 0);
     assert_eq!(s2.peak_bytes_in_use, s.bytes_in_use);
     assert_eq!(s2.fragmentation(), 0.0);
@@ -409,4 +416,47 @@ fn near_isize_max_requests_fail() {
     let mut b = engine(Config::host(1 << 30));
     let r = b.allocate(isize::MAX as usize - 4096, 8);
     assert!(matches!(r, Err(AllocError::OutOfMemory(_))), "{r:?}");
+}
+
+#[test]
+fn quick_lists_reuse_exact_sizes_and_stay_bounded() {
+    let mut cfg = Config::host(1 << 30);
+    cfg.quick_depth = 4;
+    let mut b = engine(cfg);
+    let ps: Vec<usize> = (0..10).map(|_| alloc(&mut b, 48, 8)).collect();
+    for &p in &ps {
+        free(&mut b, p);
+    }
+    let s = b.stats();
+    assert_eq!(s.num_cached_chunks, 4, "depth bounds the list");
+    assert_eq!(s.bytes_cached, 4 * 48);
+    assert_eq!(s.bytes_in_use, 0);
+    // LIFO reuse of the last cached block.
+    assert_eq!(alloc(&mut b, 40, 8), ps[3]);
+    // Larger than quick_max_size: coalesced at once.
+    let big = alloc(&mut b, 2048, 8);
+    free(&mut b, big);
+    assert_eq!(b.stats().num_cached_chunks, 3);
+    // A double free of a cached block is detected.
+    assert_eq!(
+        b.deallocate(ps[2]),
+        Err(FreeError::DoubleFree { ptr: ps[2] })
+    );
+    assert_eq!(
+        b.resize_in_place(ps[2], 8),
+        Err(FreeError::DoubleFree { ptr: ps[2] })
+    );
+    // Growth flushes quick lists first: fill a small no-growth engine with cached blocks.
+    let mut cfg = Config::host(64 << 10);
+    cfg.allow_growth = false;
+    cfg.quick_depth = 1000;
+    let mut b = engine(cfg);
+    let ps: Vec<usize> = (0..64).map(|_| alloc(&mut b, 1024, 8)).collect();
+    for p in ps {
+        free(&mut b, p);
+    }
+    assert_eq!(b.stats().bytes_cached, 64 << 10);
+    let all = alloc(&mut b, 64 << 10, 8);
+    assert_eq!(b.stats().bytes_cached, 0);
+    free(&mut b, all);
 }

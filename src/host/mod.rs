@@ -9,12 +9,22 @@
 //!
 //! The whole arena is the engine's single region, so any two neighbouring free blocks coalesce.
 //!
+//! Requests of at most 4 KiB (alignment at most 16) are served by a slab layer on top of the engine
+//! (see `small.rs`): 64 KiB spans taken from the engine, objects tracked by out-of-band bitmaps, so a
+//! small allocation or free is a bit operation and a double free is still detected. Everything larger
+//! goes to the engine, with its best fit and coalescing.
+//!
 //! # Giving memory back
 //!
-//! A free whose coalesced free chunk is at least [`HostConfig::release_threshold`] bytes returns pages
-//! to the kernel (`madvise(MADV_DONTNEED)`): at once when the freed block itself is that large,
-//! otherwise after that many bytes have been freed into such large chunks (then every free chunk of at
-//! least the threshold is swept). Smaller free chunks keep their pages for reuse.
+//! With `T` = [`HostConfig::release_threshold`], pages go back to the kernel
+//! (`madvise(MADV_DONTNEED)`):
+//! - the free top of the arena keeps `T` bytes of touched memory and returns the rest once more than
+//!   `2T` of it were touched;
+//! - elsewhere, blocks freed into free chunks of at least `T` bytes are counted, and after `16T` bytes
+//!   of them (16 MiB by default) every free chunk of at least `T` bytes is swept; a single freed block
+//!   of at least `16T` bytes returns its pages at once.
+//!
+//! Smaller free chunks keep their pages for reuse.
 //! [`GlobalBfc::release_free_memory`] sweeps every free page on demand.
 //!
 //! # Errors
@@ -24,14 +34,16 @@
 //! with a message naming the problem; the heap is never silently corrupted.
 
 mod os;
+mod small;
 
 use core::alloc::{GlobalAlloc, Layout};
 use core::ptr::{self, NonNull};
 
 use crate::core::{
-    Bfc, CheckError, Chunk, ChunkHandle, Config, Freed, MemorySource, Resize, Stats,
+    Bfc, CheckError, Chunk, ChunkHandle, Config, FreeError, Freed, MemorySource, Resize, Stats,
 };
 use crate::lock::SpinLock;
+use small::{SmallFree, SmallHeap, SPAN};
 
 /// Host allocator parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -151,6 +163,13 @@ type Engine = Bfc<HostSource, &'static mut [Chunk]>;
 
 struct Heap {
     bfc: Engine,
+    small: SmallHeap,
+    /// High-water mark of the bytes handed out to callers (small objects counted by class size).
+    peak: usize,
+    /// Largest block handed out to a caller.
+    largest: usize,
+    /// Engine allocations that were spans.
+    span_allocs: u64,
     /// Bytes freed into large interior free chunks since the last sweep without their pages being
     /// returned.
     dirty: usize,
@@ -163,8 +182,9 @@ struct Heap {
     page: usize,
 }
 
-/// A sweep of large interior free chunks runs after this many thresholds of small frees into them.
-const SWEEP_AFTER_THRESHOLDS: usize = 64;
+/// A sweep of large interior free chunks runs after this many thresholds of frees into them; a single
+/// freed block this large returns its pages at once.
+const SWEEP_AFTER_THRESHOLDS: usize = 16;
 
 #[allow(
     clippy::large_enum_variant,
@@ -225,12 +245,12 @@ impl GlobalBfc {
 
     /// Current counters (all zero before first use). `bytes_reserved` is the arena's address space.
     pub fn stats(&self) -> Stats {
-        self.with_heap(|h| h.bfc.stats()).unwrap_or_default()
+        self.with_heap(|h| h.stats()).unwrap_or_default()
     }
 
-    /// Runs the engine's invariant checker.
+    /// Runs the engine's invariant checker and checks the slab layer's counters.
     pub fn check(&self) -> Result<(), CheckError> {
-        self.with_heap(|h| h.bfc.check()).unwrap_or(Ok(()))
+        self.with_heap(|h| h.check()).unwrap_or(Ok(()))
     }
 
     /// Returns the pages of every free chunk of at least one page to the kernel. Returns the bytes
@@ -246,8 +266,7 @@ impl GlobalBfc {
 
     /// Usable size of the block at `ptr`, or `None` if `ptr` is not the start of a live block.
     pub fn usable_size(&self, ptr: *const u8) -> Option<usize> {
-        self.with_heap(|h| h.bfc.usable_size(ptr as usize).ok())
-            .flatten()
+        self.with_heap(|h| h.usable_size(ptr as usize)).flatten()
     }
 
     /// Runs `f` on the heap, initialising it on first use; `None` if the arena is unavailable.
@@ -255,17 +274,28 @@ impl GlobalBfc {
     fn with_heap<R>(&self, f: impl FnOnce(&mut Heap) -> R) -> Option<R> {
         let mut guard = self.state.lock();
         guard.with(|state| {
-            if let State::Uninit = state {
-                *state = match Heap::init(&self.config) {
-                    Some(h) => State::Ready(h),
-                    None => State::Failed,
-                };
+            if let State::Ready(h) = state {
+                return Some(f(h));
             }
+            init_state(state, &self.config);
             match state {
                 State::Ready(h) => Some(f(h)),
                 _ => None,
             }
         })
+    }
+}
+
+/// First use: reserves the arena and builds the heap in place. Kept out of line so the fast paths do
+/// not carry its large stack frame.
+#[cold]
+#[inline(never)]
+fn init_state(state: &mut State, config: &HostConfig) {
+    if let State::Uninit = state {
+        *state = match Heap::init(config) {
+            Some(h) => State::Ready(h),
+            None => State::Failed,
+        };
     }
 }
 
@@ -297,7 +327,9 @@ impl Heap {
         let map_bytes = (map_entries * 4).next_multiple_of(page);
         let table_bytes =
             (config.chunk_capacity * core::mem::size_of::<Chunk>()).next_multiple_of(page);
-        let meta_mapping_size = map_bytes + table_bytes;
+        let span_entries = arena_size >> small::SPAN_SHIFT;
+        let spans_bytes = (span_entries * SmallHeap::ENTRY).next_multiple_of(page);
+        let meta_mapping_size = map_bytes + table_bytes + spans_bytes;
         let Some(meta_mapping) = os::reserve(meta_mapping_size) else {
             // SAFETY: the arena reservation was just made and is unused.
             unsafe { os::unreserve(arena_mapping, arena_mapping_size) };
@@ -310,6 +342,17 @@ impl Heap {
             core::slice::from_raw_parts_mut(
                 meta_mapping.as_ptr().add(map_bytes).cast::<Chunk>(),
                 config.chunk_capacity,
+            )
+        };
+        // SAFETY: as for the table: a zero-filled (all "not a span"), aligned, exclusively owned part
+        // of the metadata reservation, alive as long as the heap.
+        let spans: &'static mut [small::Span] = unsafe {
+            core::slice::from_raw_parts_mut(
+                meta_mapping
+                    .as_ptr()
+                    .add(map_bytes + table_bytes)
+                    .cast::<small::Span>(),
+                span_entries,
             )
         };
         let source = HostSource {
@@ -337,6 +380,10 @@ impl Heap {
         };
         Some(Heap {
             bfc,
+            small: SmallHeap::new(arena, spans),
+            peak: 0,
+            largest: 0,
+            span_allocs: 0,
             dirty: 0,
             release_threshold: config.release_threshold,
             arena_end: arena + arena_size,
@@ -351,15 +398,74 @@ impl Heap {
         self.brk = self.brk.max(ptr + size);
     }
 
+    /// Bytes handed out to callers now.
+    #[inline]
+    fn in_use(&self) -> usize {
+        self.bfc.bytes_in_use() - self.small.spans_live * SPAN + self.small.bytes
+    }
+
+    #[inline]
+    fn note_peak(&mut self, size: usize) {
+        self.peak = self.peak.max(self.in_use());
+        self.largest = self.largest.max(size);
+    }
+
     #[inline]
     fn allocate(&mut self, size: usize, align: usize) -> *mut u8 {
+        if let Some(c) = small::class_for(size, align) {
+            let p = match self.small.alloc(c) {
+                Some(p) => p,
+                None => match self.small_refill(c) {
+                    Some(p) => p,
+                    None => return ptr::null_mut(),
+                },
+            };
+            self.note_peak(size);
+            return p as *mut u8;
+        }
         match self.bfc.allocate(size, align) {
             Ok(p) => {
                 self.note_allocated(p, size);
+                self.note_peak(size);
                 p as *mut u8
             }
             Err(_) => ptr::null_mut(),
         }
+    }
+
+    /// Gives class `c` a span with room (a partial one or a new one from the engine) and allocates.
+    #[cold]
+    fn small_refill(&mut self, c: usize) -> Option<usize> {
+        let fresh = if self.small.has_partial(c) {
+            None
+        } else {
+            let base = self.bfc.allocate(SPAN, SPAN).ok()?;
+            self.note_allocated(base, SPAN);
+            self.span_allocs += 1;
+            Some(base)
+        };
+        self.small.refill(c, fresh);
+        self.small.alloc(c)
+    }
+
+    /// Counters as callers see them: spans replaced by the small objects in them.
+    fn stats(&self) -> Stats {
+        let mut s = self.bfc.stats();
+        let spans = self.small.spans_live;
+        s.bytes_in_use = self.in_use();
+        s.peak_bytes_in_use = self.peak;
+        s.largest_alloc_size = self.largest;
+        s.num_allocs = s.num_allocs - self.span_allocs + self.small.allocs;
+        s.num_chunks_in_use = s.num_chunks_in_use - spans + self.small.objects;
+        s.metadata_bytes += self.small.metadata_bytes(self.brk);
+        s
+    }
+
+    fn check(&self) -> Result<(), CheckError> {
+        self.bfc.check()?;
+        self.small
+            .check(self.brk)
+            .map_err(|what| CheckError { what, at: 0 })
     }
 
     /// Applies the give-back policy (module docs) after `f` was released.
@@ -370,16 +476,19 @@ impl Heap {
         }
         let page = self.page;
         if f.merged_ptr + f.merged_size == self.arena_end {
-            // The free top of the arena: return what was touched of it (glibc's trim).
-            let top = f.merged_ptr.next_multiple_of(page);
-            if self.brk > top && self.brk - top >= self.release_threshold {
-                // SAFETY: `top..brk` is page-aligned (brk rounded up) and inside the free top chunk.
-                unsafe { os::discard(top, self.brk.next_multiple_of(page) - top) };
-                self.brk = top;
+            // The free top of the arena: once more than two thresholds of it were touched, return
+            // all but one threshold (glibc's trim, with hysteresis so a block that is freed and
+            // allocated again at the top does not fault its pages in every time).
+            let keep = (f.merged_ptr + self.release_threshold).next_multiple_of(page);
+            if self.brk > keep && self.brk - f.merged_ptr >= 2 * self.release_threshold {
+                // SAFETY: `keep..brk` is page-aligned (brk rounded up) and inside the free top chunk.
+                unsafe { os::discard(keep, self.brk.next_multiple_of(page) - keep) };
+                self.brk = keep;
             }
             return;
         }
-        if f.size >= self.release_threshold {
+        self.dirty += f.size;
+        if f.size >= SWEEP_AFTER_THRESHOLDS * self.release_threshold {
             // Whole pages of the freed range, widened to the pages it shares with the merged chunk.
             let (down, up) = (f.ptr & !(page - 1), f.ptr.next_multiple_of(page));
             let lo = if down >= f.merged_ptr { down } else { up };
@@ -394,17 +503,17 @@ impl Heap {
                 // SAFETY: `lo..hi` is page-aligned and inside the merged free chunk, hence inside the
                 // arena and holding nothing in use.
                 unsafe { os::discard(lo, hi - lo) };
+                self.dirty -= f.size;
             }
             return;
         }
-        self.dirty += f.size;
         if self.dirty >= SWEEP_AFTER_THRESHOLDS * self.release_threshold {
             self.sweep(self.release_threshold);
         }
     }
 
-    /// Returns the whole, possibly touched pages of every free chunk of at least `min` bytes.
-    /// Returns the bytes covered.
+    /// Returns the whole, possibly touched pages of every free chunk of at least `min` bytes that
+    /// was not swept since it last changed. Returns the bytes covered.
     fn sweep(&mut self, min: usize) -> usize {
         self.dirty = 0;
         let page = self.page;
@@ -412,7 +521,7 @@ impl Heap {
         let mut covered = 0;
         let mut new_brk = brk;
         let arena_end = self.arena_end;
-        self.bfc.for_each_free_chunk(min.max(page), |ptr, size| {
+        self.bfc.sweep_dirty(min.max(page), |ptr, size| {
             let lo = ptr.next_multiple_of(page);
             let hi = ((ptr + size) & !(page - 1)).min(brk);
             if hi > lo {
@@ -430,11 +539,72 @@ impl Heap {
 
     #[inline]
     fn free(&mut self, ptr: *mut u8) {
-        match self.bfc.deallocate(ptr as usize) {
+        let p = ptr as usize;
+        match self.small.free(p) {
+            SmallFree::Freed(None) => {}
+            SmallFree::Freed(Some(span)) => self.free_engine(span),
+            SmallFree::NotSmall => self.free_engine(p),
+            SmallFree::Interior { block } => small_error(p, SmallFree::Interior { block }, ""),
+            SmallFree::DoubleFree => small_error(p, SmallFree::DoubleFree, ""),
+        }
+    }
+
+    #[inline]
+    fn free_engine(&mut self, p: usize) {
+        match self.bfc.deallocate(p) {
             Ok(f) => self.after_free(f),
             Err(e) => os::fatal(format_args!("{e}")),
         }
     }
+
+    /// Usable size of the live block at `p`.
+    fn usable_size(&self, p: usize) -> Option<usize> {
+        match self.small.lookup(p) {
+            Ok(Some(size)) => Some(size),
+            Ok(None) => self.bfc.usable_size(p).ok(),
+            Err(_) => None,
+        }
+    }
+
+    /// The realloc step taken under the lock: returns `ptr` if the block was resized in place, a new
+    /// block (the caller copies and frees the old one), or null.
+    fn realloc_step(&mut self, ptr: *mut u8, align: usize, new_size: usize) -> *mut u8 {
+        let p = ptr as usize;
+        match self.small.lookup(p) {
+            Ok(Some(size)) => {
+                // Stay in place while the new size fits the class and wastes under half of it.
+                if new_size <= size && new_size > size / 2 {
+                    return ptr;
+                }
+                return self.allocate(new_size, align);
+            }
+            Ok(None) => {}
+            Err(e) => small_error(p, e, "realloc: "),
+        }
+        match self.bfc.resize_in_place(p, new_size) {
+            Ok(Resize::Done { freed, .. }) => {
+                match freed {
+                    Some(f) => self.after_free(f),
+                    None => self.note_allocated(p, new_size),
+                }
+                self.note_peak(new_size);
+                ptr
+            }
+            // Allocate the new block under the same lock acquisition.
+            Ok(Resize::Moved) => self.allocate(new_size, align),
+            Err(e) => os::fatal(format_args!("realloc: {e}")),
+        }
+    }
+}
+
+/// Aborts for a bad pointer found by the slab layer, with the engine's wording.
+#[cold]
+fn small_error(ptr: usize, e: SmallFree, context: &str) -> ! {
+    let e = match e {
+        SmallFree::Interior { block } => FreeError::Interior { ptr, block },
+        _ => FreeError::DoubleFree { ptr },
+    };
+    os::fatal(format_args!("{context}{e}"))
 }
 
 // SAFETY: the heap only moves between threads under the lock; its raw pointers name memory owned by
@@ -509,18 +679,7 @@ unsafe impl GlobalAlloc for GlobalBfc {
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let align = layout.align();
-        let outcome = self.with_heap(|h| match h.bfc.resize_in_place(ptr as usize, new_size) {
-            Ok(Resize::Done { freed, .. }) => {
-                match freed {
-                    Some(f) => h.after_free(f),
-                    None => h.note_allocated(ptr as usize, new_size),
-                }
-                ptr
-            }
-            // Allocate the new block under the same lock acquisition.
-            Ok(Resize::Moved) => h.allocate(new_size, align),
-            Err(e) => os::fatal(format_args!("realloc: {e}")),
-        });
+        let outcome = self.with_heap(|h| h.realloc_step(ptr, align, new_size));
         let new = match outcome {
             Some(p) => p,
             None => os::fatal(format_args!(
