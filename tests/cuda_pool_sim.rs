@@ -412,3 +412,101 @@ fn pool_and_buffers_are_send_and_sync() {
     check::<DevicePool>();
     check::<DeviceBuffer<f32>>();
 }
+
+#[test]
+fn random_ops_never_hand_a_busy_block_to_another_stream() {
+    let dev = SimDevice::new(GIB);
+    // A small limit, so that out-of-memory flushes and trims happen often.
+    let p = pool(&dev, PoolOptions::with_limit(40 * MIB));
+    let streams = [SimStream(1), SimStream(2), SimStream(3)];
+    // Freed ranges whose event may not have completed: (lo, hi, stream, event sequence number).
+    let mut freed: Vec<(u64, u64, SimStream, u64)> = Vec::new();
+    let mut live: Vec<DeviceBuffer<u8, SimBackend>> = Vec::new();
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let (mut ooms, mut same_stream_reuses) = (0, 0);
+    for _ in 0..20_000 {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let s = streams[(rng >> 8) as usize % 3];
+        match rng % 10 {
+            0..=4 => {
+                let size = 256usize << ((rng >> 16) % 14);
+                let size = size + (rng >> 32) as usize % size;
+                match alloc(&p, s, size) {
+                    Ok(b) => {
+                        let (lo, hi) = (
+                            b.device_address(),
+                            b.device_address() + b.block_size() as u64,
+                        );
+                        for &(flo, fhi, fs, seq) in &freed {
+                            if flo < hi && lo < fhi {
+                                if fs == s {
+                                    same_stream_reuses += 1;
+                                } else {
+                                    assert!(
+                                        dev.completed(fs) >= seq,
+                                        "stream {s:?} got [{lo:#x},{hi:#x}) while {fs:?}'s work on \
+                                         [{flo:#x},{fhi:#x}) may still run"
+                                    );
+                                }
+                            }
+                        }
+                        for l in &live {
+                            let (llo, lhi) = (
+                                l.device_address(),
+                                l.device_address() + l.block_size() as u64,
+                            );
+                            assert!(hi <= llo || lhi <= lo, "overlapping live buffers");
+                        }
+                        live.push(b);
+                    }
+                    Err(PoolError::OutOfMemory(_)) => ooms += 1,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            5..=7 if !live.is_empty() => {
+                let b = live.swap_remove((rng >> 24) as usize % live.len());
+                let (lo, hi, hs) = (
+                    b.device_address(),
+                    b.device_address() + b.block_size() as u64,
+                    *b.home_stream(),
+                );
+                drop(b);
+                freed.push((lo, hi, hs, dev.recorded(hs)));
+            }
+            8 => dev.complete(s),
+            _ => {
+                p.trim();
+            }
+        }
+        freed.retain(|&(_, _, fs, seq)| dev.completed(fs) < seq);
+        if live.len() > 40 {
+            live.clear();
+        }
+    }
+    assert!(
+        ooms > 0 && same_stream_reuses > 0,
+        "ooms {ooms}, same-stream reuses {same_stream_reuses}"
+    );
+    drop(live);
+    p.synchronize();
+    assert_eq!(p.stats().allocator.bytes_in_use, 0);
+    p.check().unwrap();
+    p.check_err().unwrap();
+}
+
+#[test]
+fn invalid_requests_are_errors() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    // SAFETY: never read.
+    let e = unsafe { p.alloc::<u64>(&A, usize::MAX / 4) }.unwrap_err();
+    assert!(matches!(e, PoolError::InvalidRequest { .. }), "{e}");
+    // SAFETY: never read.
+    let e = unsafe { p.alloc::<u8>(&A, usize::MAX - 10) }.unwrap_err();
+    assert!(matches!(e, PoolError::InvalidRequest { .. }), "{e}");
+    let z = alloc(&p, A, 0).unwrap();
+    assert_eq!(z.block_size(), 256);
+    assert!(z.is_empty());
+}

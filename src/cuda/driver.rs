@@ -78,6 +78,18 @@ impl CudaBackend {
     }
 }
 
+/// Makes `ctx` current on this thread. Unlike `CudaContext::bind_to_thread`, this leaves the
+/// context's recorded error (from cudarc's `Drop`s) for its owner to see.
+fn bind(ctx: &CudaContext) -> Result<(), BackendError> {
+    if result::ctx::get_current().map_err(err("cuCtxGetCurrent"))? != Some(ctx.cu_ctx()) {
+        // SAFETY: `ctx` holds the context alive.
+        unsafe { result::ctx::set_current(ctx.cu_ctx()) }.map_err(err("cuCtxSetCurrent"))?;
+    }
+    Ok(())
+}
+
+// The driver calls go through cudarc's `result` layer with `bind`, so that the pool never consumes
+// an error cudarc recorded for the user.
 impl DeviceBackend for CudaBackend {
     type Stream = Arc<CudaStream>;
     type Event = CudaEvent;
@@ -88,24 +100,29 @@ impl DeviceBackend for CudaBackend {
     }
 
     fn compute_capability_major(&self) -> Result<i32, BackendError> {
-        self.ctx
-            .compute_capability()
-            .map(|c| c.0)
-            .map_err(err("cuDeviceGetAttribute"))
+        // SAFETY: the device handle is valid while the context lives.
+        unsafe {
+            result::device::get_attribute(
+                self.ctx.cu_device(),
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+            )
+        }
+        .map_err(err("cuDeviceGetAttribute"))
     }
 
     fn mem_info(&mut self) -> Result<(usize, usize), BackendError> {
-        self.ctx.mem_get_info().map_err(err("cuMemGetInfo"))
+        bind(&self.ctx)?;
+        result::mem_get_info().map_err(err("cuMemGetInfo"))
     }
 
     fn mem_alloc(&mut self, bytes: usize) -> Result<u64, BackendError> {
-        self.ctx.bind_to_thread().map_err(err("cuCtxSetCurrent"))?;
+        bind(&self.ctx)?;
         // SAFETY: the context is current; the memory is owned by the pool until `mem_free`.
         unsafe { result::malloc_sync(bytes) }.map_err(err("cuMemAlloc"))
     }
 
     unsafe fn mem_free(&mut self, ptr: u64) -> Result<(), BackendError> {
-        self.ctx.bind_to_thread().map_err(err("cuCtxSetCurrent"))?;
+        bind(&self.ctx)?;
         // SAFETY: the caller promises `ptr` came from `mem_alloc` and nothing uses it any more.
         unsafe { result::free_sync(ptr) }.map_err(err("cuMemFree"))
     }
@@ -130,18 +147,27 @@ impl DeviceBackend for CudaBackend {
             Some(e) => e,
             None => self.ctx.new_event(None).map_err(err("cuEventCreate"))?,
         };
-        match ev.record(stream) {
-            Ok(()) => Ok(ev),
-            Err(e) => Err(err("cuEventRecord")(e)),
-        }
+        bind(&self.ctx)?;
+        // SAFETY: the event and the stream are alive and belong to this context (`check_stream`
+        // vetted the stream when its buffer was allocated).
+        unsafe { result::event::record(ev.cu_event(), stream.cu_stream()) }
+            .map_err(err("cuEventRecord"))?;
+        Ok(ev)
     }
 
     fn event_done(&mut self, event: &CudaEvent) -> Result<bool, BackendError> {
-        event.try_is_complete().map_err(err("cuEventQuery"))
+        // SAFETY: the event is alive.
+        match unsafe { result::event::query(event.cu_event()) } {
+            Ok(()) => Ok(true),
+            Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(err("cuEventQuery")(e)),
+        }
     }
 
     fn event_sync(&mut self, event: &CudaEvent) -> Result<(), BackendError> {
-        event.synchronize().map_err(err("cuEventSynchronize"))
+        bind(&self.ctx)?;
+        // SAFETY: the event is alive.
+        unsafe { result::event::synchronize(event.cu_event()) }.map_err(err("cuEventSynchronize"))
     }
 
     fn recycle_event(&mut self, event: CudaEvent) {
@@ -151,7 +177,8 @@ impl DeviceBackend for CudaBackend {
     }
 
     fn synchronize(&mut self) -> Result<(), BackendError> {
-        self.ctx.synchronize().map_err(err("cuCtxSynchronize"))
+        bind(&self.ctx)?;
+        result::ctx::synchronize().map_err(err("cuCtxSynchronize"))
     }
 
     unsafe fn memset_zero(
@@ -159,10 +186,7 @@ impl DeviceBackend for CudaBackend {
         ptr: u64,
         bytes: usize,
     ) -> Result<(), BackendError> {
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(err("cuCtxSetCurrent"))?;
+        bind(stream.context())?;
         // SAFETY: the caller owns `[ptr, ptr + bytes)`; the write is queued on `stream`.
         unsafe { result::memset_d8_async(ptr, 0, bytes, stream.cu_stream()) }
             .map_err(err("cuMemsetD8Async"))
@@ -171,7 +195,16 @@ impl DeviceBackend for CudaBackend {
     fn finish_uses(stream: &Arc<CudaStream>, uses: &CudaUses) -> Result<(), BackendError> {
         if uses.foreign.load(Ordering::Acquire) {
             if let Some(after) = uses.after.get() {
-                stream.wait(after).map_err(err("cuStreamWaitEvent"))?;
+                bind(stream.context())?;
+                // SAFETY: the stream and the event are alive and of the same context.
+                unsafe {
+                    result::stream::wait_event(
+                        stream.cu_stream(),
+                        after.cu_event(),
+                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                    )
+                }
+                .map_err(err("cuStreamWaitEvent"))?;
             }
         }
         Ok(())

@@ -151,6 +151,16 @@ impl SimDevice {
         s.1 - s.2
     }
 
+    /// Events recorded on `stream` so far (the last one's sequence number).
+    pub fn recorded(&self, stream: SimStream) -> u64 {
+        self.lock().stream(stream.0).1
+    }
+
+    /// Events of `stream` completed so far (completed ones are a prefix).
+    pub fn completed(&self, stream: SimStream) -> u64 {
+        self.lock().stream(stream.0).2
+    }
+
     /// Every allocation size asked of the device, in order.
     pub fn requests(&self) -> Vec<usize> {
         self.lock().requests.clone()
