@@ -216,7 +216,8 @@ impl DeviceBackend for CudaBackend {
 ///
 /// - before such a use, the other stream waits for the work queued so far on the home stream;
 /// - after it, an event is recorded on the other stream, and the home stream waits for it before the
-///   buffer's free is recorded (and before the next use on yet another stream).
+///   buffer's free is recorded, before the next use on yet another stream, and before later uses on
+///   the home stream that go through `device_ptr`/`device_ptr_mut`.
 ///
 /// Kernel arguments (`launch_builder(..).arg(&buf)`) are not tracked: launch on the home stream, or
 /// order the launch yourself.
@@ -246,10 +247,16 @@ fn lazy_event<'a>(cell: &'a OnceLock<CudaEvent>, ctx: &Arc<CudaContext>) -> Opti
 
 impl CudaUses {
     fn enter<'a>(&'a self, home: &'a Arc<CudaStream>, other: &'a CudaStream) -> SyncOnDrop<'a> {
+        let ctx = home.context();
         if home.cu_stream() == other.cu_stream() {
+            if self.foreign.load(Ordering::Acquire) {
+                // A use on the home stream waits for the last use on another stream.
+                if let Some(after) = self.after.get() {
+                    ctx.record_err(home.wait(after));
+                }
+            }
             return SyncOnDrop::Record(None);
         }
-        let ctx = home.context();
         let _guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
         match lazy_event(&self.before, ctx) {
             Some(before) => {
