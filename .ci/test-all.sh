@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 echo "== unit, integration and doc tests"
 cargo test --all-targets
 cargo test --doc
+cargo test --all-targets --features cuda   # the device pool; GPU tests skip without a driver
 
 echo "== no_std core (no default features), host and bare-metal target"
 cargo build --no-default-features

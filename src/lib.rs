@@ -34,3 +34,6 @@ pub use crate::core::{
 };
 #[cfg(all(feature = "host", unix))]
 pub use host::{GlobalBfc, HostConfig};
+
+#[cfg(feature = "cuda")]
+pub mod cuda;

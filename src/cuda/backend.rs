@@ -1,0 +1,115 @@
+//! The device back end: the only place the pool talks to a driver.
+//!
+//! Every driver call the pool makes goes through [`DeviceBackend`], so the whole pool (growth, limits,
+//! back-off, stream-ordered reuse, out-of-memory handling) runs on the CPU over
+//! [`SimBackend`](super::SimBackend) and on a GPU over [`CudaBackend`](super::CudaBackend) alike.
+
+use std::fmt;
+use std::string::String;
+
+/// A failed driver call: which operation, and the driver's own words.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackendError {
+    /// The operation that failed (`"cuMemAlloc"`, `"cuEventRecord"`, ...).
+    pub op: &'static str,
+    /// The driver's description of the failure.
+    pub message: String,
+}
+
+impl BackendError {
+    /// An error for operation `op`.
+    pub fn new(op: &'static str, message: impl Into<String>) -> Self {
+        BackendError {
+            op,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} failed: {}", self.op, self.message)
+    }
+}
+
+impl std::error::Error for BackendError {}
+
+/// What the pool needs from a device: memory, its totals, and stream-ordered events.
+///
+/// All methods taking `&mut self` are called with the pool's lock held, one at a time. The associated
+/// functions without `self` are called without the lock, from any thread.
+///
+/// # Events
+///
+/// [`record_event`](Self::record_event) marks "everything queued on this stream so far";
+/// [`event_done`](Self::event_done) says whether that work has finished and
+/// [`event_sync`](Self::event_sync) waits for it. The pool relies on these to decide when a block
+/// freed on one stream may be handed to another.
+pub trait DeviceBackend: Send + 'static {
+    /// A stream handle (cheap to clone); buffers keep the one they were allocated on.
+    type Stream: Clone + Send + Sync + 'static;
+    /// A recorded point in a stream.
+    type Event: Send + 'static;
+    /// Per-buffer bookkeeping of uses on streams other than the buffer's own (see
+    /// [`finish_uses`](Self::finish_uses)).
+    type Uses: Default + Send + Sync + 'static;
+
+    /// Index of the device.
+    fn ordinal(&self) -> usize;
+
+    /// Major compute capability (used for the default system reserve).
+    fn compute_capability_major(&self) -> Result<i32, BackendError>;
+
+    /// Device memory `(free, total)` in bytes.
+    fn mem_info(&mut self) -> Result<(usize, usize), BackendError>;
+
+    /// Allocates `bytes` of device memory; the address is at least 256-byte aligned.
+    fn mem_alloc(&mut self, bytes: usize) -> Result<u64, BackendError>;
+
+    /// Frees memory from [`mem_alloc`](Self::mem_alloc).
+    ///
+    /// # Safety
+    ///
+    /// - `ptr` was returned by `mem_alloc` on this back end and has not been freed;
+    /// - no queued or running device work uses the memory any more.
+    unsafe fn mem_free(&mut self, ptr: u64) -> Result<(), BackendError>;
+
+    /// Fails if `stream` does not belong to this back end's device or context.
+    fn check_stream(&self, stream: &Self::Stream) -> Result<(), BackendError>;
+
+    /// A value identifying `stream`: equal for handles of the same stream, distinct otherwise.
+    fn stream_id(stream: &Self::Stream) -> u64;
+
+    /// Records an event after the work currently queued on `stream`.
+    fn record_event(&mut self, stream: &Self::Stream) -> Result<Self::Event, BackendError>;
+
+    /// Whether the work before `event` has finished (no waiting).
+    fn event_done(&mut self, event: &Self::Event) -> Result<bool, BackendError>;
+
+    /// Waits until the work before `event` has finished.
+    fn event_sync(&mut self, event: &Self::Event) -> Result<(), BackendError>;
+
+    /// Takes back an event that is no longer needed (for reuse); the default drops it.
+    fn recycle_event(&mut self, event: Self::Event) {
+        drop(event);
+    }
+
+    /// Waits until all work on the device (every stream) has finished.
+    fn synchronize(&mut self) -> Result<(), BackendError>;
+
+    /// Queues on `stream` a write of zeros to `bytes` bytes at `ptr`.
+    ///
+    /// # Safety
+    ///
+    /// `[ptr, ptr + bytes)` is device memory owned by the caller.
+    unsafe fn memset_zero(
+        stream: &Self::Stream,
+        ptr: u64,
+        bytes: usize,
+    ) -> Result<(), BackendError>;
+
+    /// Called when a buffer is freed, before the pool records its free event on `stream` (the
+    /// buffer's own stream): makes `stream` wait for the buffer's uses on other streams that `uses`
+    /// recorded.
+    fn finish_uses(stream: &Self::Stream, uses: &Self::Uses) -> Result<(), BackendError>;
+}

@@ -1,0 +1,107 @@
+//! Typed device buffers that return to their pool on drop.
+
+use core::marker::PhantomData;
+use std::sync::Arc;
+
+use super::backend::DeviceBackend;
+use super::pool::{DevicePool, Shared};
+
+/// `len` values of `T` in device memory from a [`DevicePool`], for use on one stream (its *home*
+/// stream, the one it was allocated on). Dropping it frees the block, ordered after the work queued
+/// on the home stream (see the [module documentation](super)).
+///
+/// With the CUDA back end it implements cudarc's `DeviceSlice`, `DevicePtr` and `DevicePtrMut`, so
+/// `stream.memcpy_htod(&host, &mut buf)`, `stream.memcpy_dtoh(&buf, &mut host)` and
+/// `stream.launch_builder(&f).arg(&buf)` accept it like a `CudaSlice`.
+pub struct DeviceBuffer<T, B: DeviceBackend = super::CudaBackend> {
+    /// Device address. A field (not computed) so that `&ptr` can be a kernel argument.
+    pub(crate) ptr: u64,
+    len: usize,
+    /// Bytes of the block (at least `len * size_of::<T>()`).
+    size: usize,
+    pub(crate) stream: B::Stream,
+    pub(crate) uses: B::Uses,
+    pool: Arc<Shared<B>>,
+    _elem: PhantomData<fn() -> T>,
+}
+
+impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
+    pub(crate) fn new(
+        ptr: u64,
+        len: usize,
+        size: usize,
+        stream: B::Stream,
+        pool: Arc<Shared<B>>,
+    ) -> Self {
+        DeviceBuffer {
+            ptr,
+            len,
+            size,
+            stream,
+            uses: B::Uses::default(),
+            pool,
+            _elem: PhantomData,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes of the elements: `len * size_of::<T>()`.
+    pub fn num_bytes(&self) -> usize {
+        self.len * core::mem::size_of::<T>()
+    }
+
+    /// Bytes of the underlying block (a multiple of the 256-byte granule).
+    pub fn block_size(&self) -> usize {
+        self.size
+    }
+
+    /// The device address. Using it on a stream other than [`home_stream`](Self::home_stream) is
+    /// only ordered if you order it (or go through `DevicePtr::device_ptr`, which does).
+    pub fn device_address(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The stream the buffer was allocated on, after whose work its memory is freed.
+    pub fn home_stream(&self) -> &B::Stream {
+        &self.stream
+    }
+
+    /// The pool the buffer belongs to.
+    pub fn pool(&self) -> DevicePool<B> {
+        DevicePool {
+            shared: self.pool.clone(),
+        }
+    }
+
+    /// Queues on the home stream a write of zeros to the whole block.
+    pub fn zero(&mut self) -> Result<(), super::PoolError> {
+        // SAFETY: the block `[ptr, ptr + size)` is owned by this buffer.
+        unsafe { B::memset_zero(&self.stream, self.ptr, self.size) }.map_err(Into::into)
+    }
+}
+
+impl<T, B: DeviceBackend> Drop for DeviceBuffer<T, B> {
+    fn drop(&mut self) {
+        self.pool
+            .free_block(self.ptr, self.size, &self.stream, &self.uses);
+    }
+}
+
+impl<T, B: DeviceBackend> core::fmt::Debug for DeviceBuffer<T, B> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("block_size", &self.size)
+            .finish_non_exhaustive()
+    }
+}

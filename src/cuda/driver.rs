@@ -1,0 +1,381 @@
+//! The real back end over the CUDA driver (through cudarc), and cudarc's capability traits for
+//! [`DeviceBuffer`].
+
+use std::string::ToString;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::vec::Vec;
+
+use cudarc::driver::result::{self, DriverError};
+use cudarc::driver::sys;
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice,
+    LaunchArgs, PushKernelArg, SyncOnDrop, ValidAsZeroBits,
+};
+
+use super::backend::{BackendError, DeviceBackend};
+use super::buffer::DeviceBuffer;
+use super::error::PoolError;
+use super::pool::{DevicePool, PoolOptions, EVENT_CACHE};
+
+/// Whether the CUDA driver library can be loaded. Checked (once) before any driver call, because
+/// cudarc panics when it is missing.
+pub fn driver_available() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: this only tries to load the driver library by its usual names; loading it runs the
+    // library's initialisers, which is what any use of the driver does.
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+}
+
+fn err(op: &'static str) -> impl FnOnce(DriverError) -> BackendError {
+    move |e| BackendError::new(op, e.to_string())
+}
+
+fn no_device(ordinal: Option<usize>) -> impl FnOnce(DriverError) -> PoolError {
+    move |e| match e.0 {
+        sys::CUresult::CUDA_ERROR_NO_DEVICE | sys::CUresult::CUDA_ERROR_INVALID_DEVICE => {
+            PoolError::NoDevice { ordinal }
+        }
+        _ => PoolError::Backend(BackendError::new("cuInit/cuDeviceGet", e.to_string())),
+    }
+}
+
+/// Number of CUDA devices; `Err(DriverNotFound)` without a driver.
+pub fn device_count() -> Result<usize, PoolError> {
+    if !driver_available() {
+        return Err(PoolError::DriverNotFound);
+    }
+    match CudaContext::device_count() {
+        Ok(n) => Ok(n.max(0) as usize),
+        Err(DriverError(sys::CUresult::CUDA_ERROR_NO_DEVICE)) => Ok(0),
+        Err(e) => Err(no_device(None)(e)),
+    }
+}
+
+/// The CUDA driver, for one context.
+///
+/// Regions come from `cuMemAlloc` and go back through `cuMemFree`; events are created without
+/// timing and reused.
+#[derive(Debug)]
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    /// Idle events for reuse.
+    events: Vec<CudaEvent>,
+}
+
+impl CudaBackend {
+    /// A back end for `ctx`.
+    pub fn new(ctx: Arc<CudaContext>) -> Self {
+        CudaBackend {
+            ctx,
+            events: Vec::new(),
+        }
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+}
+
+/// Makes `ctx` current on this thread. Unlike `CudaContext::bind_to_thread`, this leaves the
+/// context's recorded error (from cudarc's `Drop`s) for its owner to see.
+fn bind(ctx: &CudaContext) -> Result<(), BackendError> {
+    if result::ctx::get_current().map_err(err("cuCtxGetCurrent"))? != Some(ctx.cu_ctx()) {
+        // SAFETY: `ctx` holds the context alive.
+        unsafe { result::ctx::set_current(ctx.cu_ctx()) }.map_err(err("cuCtxSetCurrent"))?;
+    }
+    Ok(())
+}
+
+// The driver calls go through cudarc's `result` layer with `bind`, so that the pool never consumes
+// an error cudarc recorded for the user.
+impl DeviceBackend for CudaBackend {
+    type Stream = Arc<CudaStream>;
+    type Event = CudaEvent;
+    type Uses = CudaUses;
+
+    fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    fn compute_capability_major(&self) -> Result<i32, BackendError> {
+        // SAFETY: the device handle is valid while the context lives.
+        unsafe {
+            result::device::get_attribute(
+                self.ctx.cu_device(),
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+            )
+        }
+        .map_err(err("cuDeviceGetAttribute"))
+    }
+
+    fn mem_info(&mut self) -> Result<(usize, usize), BackendError> {
+        bind(&self.ctx)?;
+        result::mem_get_info().map_err(err("cuMemGetInfo"))
+    }
+
+    fn mem_alloc(&mut self, bytes: usize) -> Result<u64, BackendError> {
+        bind(&self.ctx)?;
+        // SAFETY: the context is current; the memory is owned by the pool until `mem_free`.
+        unsafe { result::malloc_sync(bytes) }.map_err(err("cuMemAlloc"))
+    }
+
+    unsafe fn mem_free(&mut self, ptr: u64) -> Result<(), BackendError> {
+        bind(&self.ctx)?;
+        // SAFETY: the caller promises `ptr` came from `mem_alloc` and nothing uses it any more.
+        unsafe { result::free_sync(ptr) }.map_err(err("cuMemFree"))
+    }
+
+    fn check_stream(&self, stream: &Arc<CudaStream>) -> Result<(), BackendError> {
+        if **stream.context() == *self.ctx {
+            Ok(())
+        } else {
+            Err(BackendError::new(
+                "DevicePool::alloc",
+                "the stream belongs to another context than the pool's",
+            ))
+        }
+    }
+
+    fn stream_id(stream: &Arc<CudaStream>) -> u64 {
+        stream.cu_stream() as usize as u64
+    }
+
+    fn record_event(&mut self, stream: &Arc<CudaStream>) -> Result<CudaEvent, BackendError> {
+        let ev = match self.events.pop() {
+            Some(e) => e,
+            None => self.ctx.new_event(None).map_err(err("cuEventCreate"))?,
+        };
+        bind(&self.ctx)?;
+        // SAFETY: the event and the stream are alive and belong to this context (`check_stream`
+        // vetted the stream when its buffer was allocated).
+        unsafe { result::event::record(ev.cu_event(), stream.cu_stream()) }
+            .map_err(err("cuEventRecord"))?;
+        Ok(ev)
+    }
+
+    fn event_done(&mut self, event: &CudaEvent) -> Result<bool, BackendError> {
+        // SAFETY: the event is alive.
+        match unsafe { result::event::query(event.cu_event()) } {
+            Ok(()) => Ok(true),
+            Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(err("cuEventQuery")(e)),
+        }
+    }
+
+    fn event_sync(&mut self, event: &CudaEvent) -> Result<(), BackendError> {
+        bind(&self.ctx)?;
+        // SAFETY: the event is alive.
+        unsafe { result::event::synchronize(event.cu_event()) }.map_err(err("cuEventSynchronize"))
+    }
+
+    fn recycle_event(&mut self, event: CudaEvent) {
+        if self.events.len() < EVENT_CACHE {
+            self.events.push(event);
+        }
+    }
+
+    fn synchronize(&mut self) -> Result<(), BackendError> {
+        bind(&self.ctx)?;
+        result::ctx::synchronize().map_err(err("cuCtxSynchronize"))
+    }
+
+    unsafe fn memset_zero(
+        stream: &Arc<CudaStream>,
+        ptr: u64,
+        bytes: usize,
+    ) -> Result<(), BackendError> {
+        bind(stream.context())?;
+        // SAFETY: the caller owns `[ptr, ptr + bytes)`; the write is queued on `stream`.
+        unsafe { result::memset_d8_async(ptr, 0, bytes, stream.cu_stream()) }
+            .map_err(err("cuMemsetD8Async"))
+    }
+
+    fn finish_uses(stream: &Arc<CudaStream>, uses: &CudaUses) -> Result<(), BackendError> {
+        if uses.foreign.load(Ordering::Acquire) {
+            if let Some(after) = uses.after.get() {
+                bind(stream.context())?;
+                // SAFETY: the stream and the event are alive and of the same context.
+                unsafe {
+                    result::stream::wait_event(
+                        stream.cu_stream(),
+                        after.cu_event(),
+                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                    )
+                }
+                .map_err(err("cuStreamWaitEvent"))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Orders a buffer's uses on streams other than its home stream (through `DevicePtr::device_ptr` or
+/// `DevicePtrMut::device_ptr_mut`):
+///
+/// - before such a use, the other stream waits for the work queued so far on the home stream;
+/// - after it, an event is recorded on the other stream, and the home stream waits for it before the
+///   buffer's free is recorded, before the next use on yet another stream, and before later uses on
+///   the home stream that go through `device_ptr`/`device_ptr_mut`.
+///
+/// Kernel arguments (`launch_builder(..).arg(&buf)`) are not tracked: launch on the home stream, or
+/// order the launch yourself.
+#[derive(Debug, Default)]
+pub struct CudaUses {
+    /// Serialises the bookkeeping of concurrent uses.
+    lock: Mutex<()>,
+    /// Recorded on the home stream before a foreign use; the foreign stream waits for it.
+    before: OnceLock<CudaEvent>,
+    /// Recorded on the foreign stream after its use; the home stream waits for it.
+    after: OnceLock<CudaEvent>,
+    /// Whether `after` has been handed out for recording.
+    foreign: AtomicBool,
+}
+
+fn lazy_event<'a>(cell: &'a OnceLock<CudaEvent>, ctx: &Arc<CudaContext>) -> Option<&'a CudaEvent> {
+    if cell.get().is_none() {
+        match ctx.new_event(None) {
+            Ok(e) => {
+                let _ = cell.set(e);
+            }
+            Err(e) => ctx.record_err::<()>(Err(e)),
+        }
+    }
+    cell.get()
+}
+
+impl CudaUses {
+    fn enter<'a>(&'a self, home: &'a Arc<CudaStream>, other: &'a CudaStream) -> SyncOnDrop<'a> {
+        let ctx = home.context();
+        if home.cu_stream() == other.cu_stream() {
+            if self.foreign.load(Ordering::Acquire) {
+                // A use on the home stream waits for the last use on another stream.
+                if let Some(after) = self.after.get() {
+                    ctx.record_err(home.wait(after));
+                }
+            }
+            return SyncOnDrop::Record(None);
+        }
+        let _guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
+        match lazy_event(&self.before, ctx) {
+            Some(before) => {
+                ctx.record_err(before.record(home));
+                ctx.record_err(other.wait(before));
+            }
+            None => ctx.record_err(home.synchronize()),
+        }
+        let after = lazy_event(&self.after, ctx);
+        if let Some(a) = after {
+            if self.foreign.swap(true, Ordering::AcqRel) {
+                // Keep the previous foreign use ordered before the free too.
+                ctx.record_err(home.wait(a));
+            }
+        }
+        match after {
+            Some(a) if other.context().is_managing_stream_synchronization() => {
+                SyncOnDrop::Record(Some((a, other)))
+            }
+            // The context would not record the event: wait for the use instead.
+            _ => SyncOnDrop::Sync(Some(other)),
+        }
+    }
+}
+
+impl<T> DeviceSlice<T> for DeviceBuffer<T, CudaBackend> {
+    fn len(&self) -> usize {
+        DeviceBuffer::len(self)
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for DeviceBuffer<T, CudaBackend> {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, self.uses.enter(&self.stream, stream))
+    }
+}
+
+impl<T> DevicePtrMut<T> for DeviceBuffer<T, CudaBackend> {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        stream: &'a CudaStream,
+    ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, self.uses.enter(&self.stream, stream))
+    }
+}
+
+// SAFETY: the argument pushed is a pointer to the buffer's `CUdeviceptr` field, which lives as long
+// as the borrow `'b` that outlives the launch builder; the kernel receives a device address of
+// `len` values of `T`, as with a `CudaSlice<T>`.
+unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b DeviceBuffer<T, CudaBackend>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b DeviceBuffer<T, CudaBackend>) -> &mut Self {
+        <Self as PushKernelArg<&'b u64>>::arg(self, &arg.ptr)
+    }
+}
+
+// SAFETY: as for the shared reference.
+unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut DeviceBuffer<T, CudaBackend>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b mut DeviceBuffer<T, CudaBackend>) -> &mut Self {
+        <Self as PushKernelArg<&'b u64>>::arg(self, &arg.ptr)
+    }
+}
+
+impl DevicePool<CudaBackend> {
+    /// A pool for device `ordinal` (its primary context). `Err(DriverNotFound)` without a driver.
+    pub fn new(ordinal: usize, options: PoolOptions) -> Result<Self, PoolError> {
+        if !driver_available() {
+            return Err(PoolError::DriverNotFound);
+        }
+        let ctx = CudaContext::new(ordinal).map_err(no_device(Some(ordinal)))?;
+        Self::for_context(ctx, options)
+    }
+
+    /// A pool for `ctx` (one pool per context; the pool keeps the context alive).
+    pub fn for_context(ctx: Arc<CudaContext>, options: PoolOptions) -> Result<Self, PoolError> {
+        Self::with_backend(CudaBackend::new(ctx), options)
+    }
+
+    /// One pool per visible device, in ordinal order. `Err(DriverNotFound)` without a driver, an
+    /// empty list with a driver but no device.
+    pub fn for_all_devices(options: PoolOptions) -> Result<Vec<Self>, PoolError> {
+        (0..device_count()?)
+            .map(|i| Self::new(i, options))
+            .collect()
+    }
+
+    /// The pool's context.
+    pub fn context(&self) -> Arc<CudaContext> {
+        self.with_backend_mut(|b| b.context().clone())
+    }
+
+    /// A buffer of `len` zeros of `T` on `stream` (the zeroing is queued on `stream`).
+    pub fn alloc_zeros<T: ValidAsZeroBits>(
+        &self,
+        stream: &Arc<CudaStream>,
+        len: usize,
+    ) -> Result<DeviceBuffer<T>, PoolError> {
+        // SAFETY: the contents are overwritten with zeros, a valid `T`, before any read on `stream`.
+        let mut buf = unsafe { self.alloc::<T>(stream, len) }?;
+        buf.zero()?;
+        Ok(buf)
+    }
+
+    /// A buffer holding a copy of `src`, copied on `stream`.
+    pub fn clone_htod<T: DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        src: &[T],
+    ) -> Result<DeviceBuffer<T>, PoolError> {
+        // SAFETY: the whole buffer is overwritten by the copy, queued before any other use on `stream`.
+        let mut buf = unsafe { self.alloc::<T>(stream, src.len()) }?;
+        stream
+            .memcpy_htod(src, &mut buf)
+            .map_err(|e| PoolError::Backend(err("cuMemcpyHtoDAsync")(e)))?;
+        Ok(buf)
+    }
+}

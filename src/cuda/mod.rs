@@ -1,0 +1,81 @@
+//! A BFC pool over CUDA device memory (feature `cuda`).
+//!
+//! One [`DevicePool`] per device (context) runs the same engine as the host allocator, with
+//! TensorFlow's device settings: a 256-byte granule, regions from the driver (`cuMemAlloc`) that
+//! start at 2 MiB and double (or one region of the whole limit up front), a 0.9 back-off when the
+//! driver refuses a size, and a limit on the memory taken ([`MemoryLimit`]: TensorFlow's default of
+//! the free memory minus a [system reserve](min_system_memory), a fraction of the total, or bytes).
+//! Chunk metadata stays in host memory; the pool never touches device memory itself.
+//!
+//! ```text
+//! DeviceBackend (cuMemAlloc/cuMemFree, events) --regions--> Bfc --blocks--> DeviceBuffer<T>
+//!                                                            ^                    | drop on stream A
+//!                                      event on A completed  |                    v
+//!                                                   pending list: (block, stream A, event)
+//! ```
+//!
+//! # Stream model
+//!
+//! Every [`DeviceBuffer`] has a *home stream*, the one it was allocated on. Device work is
+//! asynchronous, so when a buffer is dropped, work queued on its home stream may still read or write
+//! it. The pool therefore does not return the block to the engine at once:
+//!
+//! 1. On drop, an event is recorded on the home stream A and the block goes to a *pending list*,
+//!    tagged (A, event).
+//! 2. An allocation on the same stream A may take a fitting pending block of A immediately: its work
+//!    is queued before anything the new owner queues on A, so stream order protects it.
+//! 3. A pending block becomes available to every stream once its event has completed. Pending
+//!    events are polled on every allocation and free (one query per stream: a stream's events
+//!    complete in order).
+//! 4. Before reporting out-of-memory, the pool waits for every pending event, returns all pending
+//!    blocks, gives fully free regions back to the driver ([`DevicePool::trim`]), and tries again.
+//!
+//! Uses on other streams are ordered when they go through cudarc's `DevicePtr::device_ptr` /
+//! `DevicePtrMut::device_ptr_mut` (as `memcpy_*` do): the other stream first waits for the home
+//! stream, and the home stream waits for that use before the free is recorded ([`CudaUses`]). A raw
+//! address ([`DeviceBuffer::device_address`]) or a kernel argument on another stream is yours to
+//! order.
+//!
+//! # Errors
+//!
+//! Nothing panics when the driver is missing: [`DevicePool::new`] and
+//! [`DevicePool::for_all_devices`] return [`PoolError::DriverNotFound`] ([`driver_available`] tells
+//! beforehand). Out-of-memory is [`PoolError::OutOfMemory`] with a [`DeviceOom`]: requested bytes,
+//! in use, reserved, limit, device total and free, the largest free block and the engine's per-bin
+//! summary. Errors in `Drop` (a failed event record, a failed `cuMemFree`) are recorded and returned
+//! later by [`DevicePool::take_errors`] / [`DevicePool::check_err`]; a block whose free could not be
+//! ordered by an event waits for a device-wide synchronisation instead.
+//!
+//! # Testing without a GPU
+//!
+//! All of the above is written against [`DeviceBackend`]; [`SimBackend`] simulates a device
+//! (addresses only) with events that tests complete by hand, so the whole pool is tested on the CPU.
+//!
+//! ```no_run
+//! use bfc_alloc::cuda::{DevicePool, PoolOptions};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = DevicePool::new(0, PoolOptions::default())?;
+//! let stream = pool.context().default_stream();
+//! let buf = pool.clone_htod(&stream, &[1.0f32, 2.0, 3.0])?;
+//! let back = stream.clone_dtoh(&buf)?;
+//! assert_eq!(back, [1.0, 2.0, 3.0]);
+//! println!("{}", pool.stats());
+//! # Ok(())
+//! # }
+//! ```
+
+mod backend;
+mod buffer;
+mod driver;
+mod error;
+mod pool;
+mod sim;
+mod source;
+
+pub use backend::{BackendError, DeviceBackend};
+pub use buffer::DeviceBuffer;
+pub use driver::{device_count, driver_available, CudaBackend, CudaUses};
+pub use error::{DeviceOom, DeviceStats, PoolError};
+pub use pool::{min_system_memory, DevicePool, MemoryLimit, PoolOptions, GRANULE};
+pub use sim::{SimBackend, SimDevice, SimEvent, SimStream};

@@ -1,0 +1,565 @@
+//! The pool: the engine behind a mutex, plus the list of frees still pending on a stream.
+
+use std::boxed::Box;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::vec::Vec;
+
+use super::backend::DeviceBackend;
+use super::buffer::DeviceBuffer;
+use super::error::{DeviceOom, DeviceStats, PoolError};
+use super::source::DeviceSource;
+use crate::core::{AllocError, Bfc, CheckError, Chunk, Config, OomReport};
+
+/// Allocation unit of the device pool (TensorFlow's 256 bytes).
+pub const GRANULE: usize = 256;
+
+/// Deferred errors kept at most (older ones are dropped).
+const MAX_DEFERRED: usize = 64;
+
+/// Events kept for reuse by a back end at most.
+pub(crate) const EVENT_CACHE: usize = 256;
+
+/// How much device memory a pool may take.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MemoryLimit {
+    /// TensorFlow's default: the memory free when the pool is created, minus a reserve for the
+    /// system (see [`min_system_memory`]).
+    Auto,
+    /// A fraction of the device's total memory (TensorFlow's `per_process_gpu_memory_fraction`),
+    /// in `(0, 1]`.
+    Fraction(f64),
+    /// An absolute number of bytes (TensorFlow's `memory_limit_mb`, in bytes).
+    Bytes(usize),
+}
+
+/// Options of a [`DevicePool`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PoolOptions {
+    /// Grow by regions that start at `initial_region_size` and double (`true`, the default here), or
+    /// take one region of the whole limit on first use (`false`, TensorFlow's default).
+    pub allow_growth: bool,
+    /// First region size when growing (default 2 MiB).
+    pub initial_region_size: usize,
+    /// The cap on memory obtained from the driver.
+    pub limit: MemoryLimit,
+    /// Capacity of the chunk table, in chunk records of 32 bytes of host memory each (default 2^18).
+    pub chunk_capacity: usize,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions {
+            allow_growth: true,
+            initial_region_size: 2 << 20,
+            limit: MemoryLimit::Auto,
+            chunk_capacity: 1 << 18,
+        }
+    }
+}
+
+impl PoolOptions {
+    /// The defaults with an absolute limit.
+    pub fn with_limit(bytes: usize) -> Self {
+        PoolOptions {
+            limit: MemoryLimit::Bytes(bytes),
+            ..PoolOptions::default()
+        }
+    }
+
+    /// The pool's limit on a device with `free` and `total` bytes and compute capability `cc_major`.
+    pub fn resolve_limit(
+        &self,
+        free: usize,
+        total: usize,
+        cc_major: i32,
+    ) -> Result<usize, PoolError> {
+        let bytes = match self.limit {
+            MemoryLimit::Auto => free.saturating_sub(min_system_memory(free, cc_major)),
+            MemoryLimit::Fraction(f) => {
+                if !(f > 0.0 && f <= 1.0) {
+                    return Err(PoolError::Config("memory fraction must be in (0, 1]"));
+                }
+                (total as f64 * f) as usize
+            }
+            MemoryLimit::Bytes(b) => b,
+        };
+        Ok(bytes & !(GRANULE - 1))
+    }
+}
+
+/// Device memory TensorFlow leaves to the system when no limit is given, for `available` free bytes
+/// on a device of compute capability `cc_major`: 225 MiB below 2 GiB available; otherwise 500 MiB up
+/// to capability 6, 1050 MiB for 7, 1536 MiB for 8 and 1800 MiB from 9 on.
+pub fn min_system_memory(available: usize, cc_major: i32) -> usize {
+    const MIB: usize = 1 << 20;
+    if available < (1 << 31) {
+        225 * MIB
+    } else if cc_major <= 6 {
+        500 * MIB
+    } else if cc_major <= 7 {
+        1050 * MIB
+    } else if cc_major <= 8 {
+        1536 * MIB
+    } else {
+        1800 * MIB
+    }
+}
+
+/// A block freed on `stream` whose work may still be running.
+struct Pending<E> {
+    ptr: usize,
+    size: usize,
+    stream: u64,
+    /// Recorded on `stream` after the free; `None` when recording failed (then only a device-wide
+    /// synchronisation releases the block).
+    event: Option<E>,
+}
+
+/// Everything behind the pool's lock.
+pub(crate) struct State<B: DeviceBackend> {
+    bfc: Bfc<DeviceSource<B>, Vec<Chunk>>,
+    /// Freed blocks waiting for their stream, oldest first. Invariant: each is in use in `bfc`, and
+    /// `pending_bytes` is the sum of their sizes.
+    pending: VecDeque<Pending<B::Event>>,
+    pending_bytes: usize,
+    /// Errors that happened where none could be returned (in `Drop`), oldest first.
+    errors: Vec<PoolError>,
+}
+
+/// The shared part of a pool; buffers keep it alive.
+pub(crate) struct Shared<B: DeviceBackend> {
+    // Immutable after construction.
+    ordinal: usize,
+    limit: usize,
+    // Mutable, behind the lock.
+    state: Mutex<State<B>>,
+}
+
+impl<B: DeviceBackend> State<B> {
+    fn backend(&mut self) -> &mut B {
+        &mut self.bfc.source_mut().backend
+    }
+
+    fn defer(&mut self, e: PoolError) {
+        if self.errors.len() == MAX_DEFERRED {
+            self.errors.remove(0);
+        }
+        self.errors.push(e);
+    }
+
+    /// Moves source free failures into the deferred errors.
+    fn collect_source_errors(&mut self) {
+        let errs = core::mem::take(&mut self.bfc.source_mut().free_errors);
+        for e in errs {
+            self.defer(PoolError::Backend(e));
+        }
+    }
+
+    /// Returns the pending block at `i` to the engine.
+    fn release_pending(&mut self, i: usize) {
+        let Some(p) = self.pending.remove(i) else {
+            return;
+        };
+        self.pending_bytes -= p.size;
+        if let Some(e) = p.event {
+            self.backend().recycle_event(e);
+        }
+        if let Err(e) = self.bfc.deallocate(p.ptr) {
+            self.defer(PoolError::Free(e));
+        }
+    }
+
+    /// Returns every pending block whose stream has passed its event to the engine. Events of one
+    /// stream complete in order, so each stream is queried until its first unfinished event.
+    fn poll_pending(&mut self) {
+        let mut busy: Vec<u64> = Vec::new();
+        let mut i = 0;
+        while i < self.pending.len() {
+            let stream = self.pending[i].stream;
+            if busy.contains(&stream) {
+                i += 1;
+                continue;
+            }
+            let done = match self.pending[i].event.take() {
+                None => false,
+                Some(ev) => {
+                    let r = self.backend().event_done(&ev);
+                    self.pending[i].event = Some(ev);
+                    match r {
+                        Ok(d) => d,
+                        Err(e) => {
+                            self.defer(PoolError::Backend(e));
+                            false
+                        }
+                    }
+                }
+            };
+            if done {
+                self.release_pending(i);
+            } else {
+                busy.push(stream);
+                i += 1;
+            }
+        }
+    }
+
+    /// Waits for every pending block's work and returns them all to the engine. A block whose work
+    /// cannot be waited for (the driver fails both the event and a device-wide synchronisation) stays
+    /// pending.
+    fn flush_pending(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let mut device_synced = false;
+        if self.pending.iter().any(|p| p.event.is_none()) {
+            match self.backend().synchronize() {
+                Ok(()) => device_synced = true,
+                Err(e) => self.defer(PoolError::Backend(e)),
+            }
+        }
+        let mut i = 0;
+        while i < self.pending.len() {
+            let ok = device_synced
+                || match self.pending[i].event.take() {
+                    None => false,
+                    Some(ev) => {
+                        let r = self.backend().event_sync(&ev);
+                        self.pending[i].event = Some(ev);
+                        match r {
+                            Ok(()) => true,
+                            Err(e) => {
+                                self.defer(PoolError::Backend(e));
+                                match self.backend().synchronize() {
+                                    Ok(()) => {
+                                        device_synced = true;
+                                        true
+                                    }
+                                    Err(e) => {
+                                        self.defer(PoolError::Backend(e));
+                                        false
+                                    }
+                                }
+                            }
+                        }
+                    }
+                };
+            if ok {
+                self.release_pending(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Takes a pending block of `stream` that fits `bytes` at `align` as a whole block would (the
+    /// engine would not split it), smallest first.
+    fn take_pending(&mut self, stream: u64, bytes: usize, align: usize) -> Option<(usize, usize)> {
+        let config = *self.bfc.config();
+        let want = bytes.max(1).checked_next_multiple_of(GRANULE)?;
+        let mut best: Option<(usize, usize)> = None;
+        for (i, p) in self.pending.iter().enumerate() {
+            if p.stream != stream || p.size < want || p.ptr % align != 0 {
+                continue;
+            }
+            let left = p.size - want;
+            let would_split = left >= GRANULE
+                && ((config.split_ratio != 0 && p.size / config.split_ratio >= want)
+                    || left >= config.max_internal_fragmentation);
+            if would_split {
+                continue;
+            }
+            if best.is_none_or(|(_, s)| p.size < s) {
+                best = Some((i, p.size));
+            }
+        }
+        let (i, _) = best?;
+        let p = self.pending.remove(i)?;
+        self.pending_bytes -= p.size;
+        if let Some(e) = p.event {
+            self.backend().recycle_event(e);
+        }
+        Some((p.ptr, p.size))
+    }
+
+    #[allow(
+        clippy::result_large_err,
+        reason = "the engine's report; the pool boxes it before it leaves"
+    )]
+    fn allocate(&mut self, bytes: usize, align: usize) -> Result<(usize, usize), AllocError> {
+        let p = self.bfc.allocate(bytes, align)?;
+        // The block was just handed out, so the lookup succeeds; fall back to the rounded request.
+        let size = self
+            .bfc
+            .usable_size(p)
+            .unwrap_or_else(|_| bytes.max(1).next_multiple_of(GRANULE));
+        Ok((p, size))
+    }
+
+    fn oom(&mut self, ordinal: usize, requested: usize, report: OomReport) -> PoolError {
+        let (device_free, device_total) = self.backend().mem_info().unwrap_or((0, 0));
+        let s = report.stats;
+        PoolError::OutOfMemory(Box::new(DeviceOom {
+            ordinal,
+            requested,
+            in_use: s.bytes_in_use,
+            reserved: s.bytes_reserved,
+            limit: s.bytes_limit,
+            device_total,
+            device_free,
+            largest_free_block: s.largest_free_block,
+            pending_bytes: self.pending_bytes,
+            driver_error: self
+                .bfc
+                .source_mut()
+                .last_refusal
+                .take()
+                .map(|e| std::format!("{e}")),
+            report,
+        }))
+    }
+}
+
+impl<B: DeviceBackend> Shared<B> {
+    fn lock(&self) -> MutexGuard<'_, State<B>> {
+        // A panic while the lock was held (in a back end) leaves the engine consistent: every
+        // engine operation completes before the back end is called again.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Allocates a block of at least `bytes` for use on `stream`: `(address, usable size)`.
+    pub(crate) fn alloc_block(
+        &self,
+        stream: &B::Stream,
+        bytes: usize,
+        align: usize,
+    ) -> Result<(u64, usize), PoolError> {
+        let sid = B::stream_id(stream);
+        let mut st = self.lock();
+        st.backend().check_stream(stream)?;
+        st.poll_pending();
+        let align = align.max(1);
+        if let Some((p, size)) = st.take_pending(sid, bytes, align) {
+            return Ok((p as u64, size));
+        }
+        let r = match st.allocate(bytes, align) {
+            Err(AllocError::OutOfMemory(_)) => {
+                // Wait for every pending free, give fully free regions back, and try once more.
+                st.flush_pending();
+                st.bfc.release_free_regions();
+                st.collect_source_errors();
+                st.allocate(bytes, align)
+            }
+            r => r,
+        };
+        st.collect_source_errors();
+        match r {
+            Ok((p, size)) => {
+                st.bfc.source_mut().last_refusal = None;
+                Ok((p as u64, size))
+            }
+            Err(AllocError::OutOfMemory(report)) => Err(st.oom(self.ordinal, bytes, report)),
+            Err(_) => Err(PoolError::InvalidRequest { bytes, align }),
+        }
+    }
+
+    /// Frees the block at `ptr` (of `size` bytes) used on `stream`. Never fails; errors are deferred.
+    pub(crate) fn free_block(&self, ptr: u64, size: usize, stream: &B::Stream, uses: &B::Uses) {
+        let ordered = B::finish_uses(stream, uses);
+        let mut st = self.lock();
+        if let Err(e) = ordered {
+            st.defer(PoolError::Backend(e));
+        }
+        let event = match st.backend().record_event(stream) {
+            Ok(e) => Some(e),
+            Err(e) => {
+                st.defer(PoolError::Backend(e));
+                None
+            }
+        };
+        st.pending.push_back(Pending {
+            ptr: ptr as usize,
+            size,
+            stream: B::stream_id(stream),
+            event,
+        });
+        st.pending_bytes += size;
+        st.poll_pending();
+    }
+}
+
+impl<B: DeviceBackend> Drop for Shared<B> {
+    fn drop(&mut self) {
+        // No buffer is left (each holds an `Arc` of this), so after the pending frees every chunk is
+        // free and every region goes back to the driver.
+        let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        st.flush_pending();
+        st.bfc.release_free_regions();
+    }
+}
+
+/// A BFC pool over one device's memory. Cheap to clone (a shared handle); `Send + Sync`.
+///
+/// See the [module documentation](super) for the stream model.
+pub struct DevicePool<B: DeviceBackend = super::CudaBackend> {
+    pub(crate) shared: Arc<Shared<B>>,
+}
+
+impl<B: DeviceBackend> Clone for DevicePool<B> {
+    fn clone(&self) -> Self {
+        DevicePool {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<B: DeviceBackend> core::fmt::Debug for DevicePool<B> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("DevicePool")
+            .field("ordinal", &self.shared.ordinal)
+            .field("limit", &self.shared.limit)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: DeviceBackend> DevicePool<B> {
+    /// A pool over `backend`. Nothing is allocated until the first buffer.
+    pub fn with_backend(mut backend: B, options: PoolOptions) -> Result<Self, PoolError> {
+        if options.chunk_capacity < 2 {
+            return Err(PoolError::Config("chunk_capacity must be at least 2"));
+        }
+        let (free, total) = backend.mem_info()?;
+        let cc_major = match options.limit {
+            MemoryLimit::Auto => backend.compute_capability_major()?,
+            _ => 0,
+        };
+        let limit = options.resolve_limit(free, total, cc_major)?;
+        let mut config = Config::device(limit);
+        config.allow_growth = options.allow_growth;
+        config.initial_region_size = if options.allow_growth {
+            options.initial_region_size
+        } else {
+            limit
+        };
+        let ordinal = backend.ordinal();
+        let table = std::vec![Chunk::EMPTY; options.chunk_capacity];
+        let bfc = Bfc::new(config, DeviceSource::new(backend), table).map_err(PoolError::Config)?;
+        Ok(DevicePool {
+            shared: Arc::new(Shared {
+                ordinal,
+                limit,
+                state: Mutex::new(State {
+                    bfc,
+                    pending: VecDeque::new(),
+                    pending_bytes: 0,
+                    errors: Vec::new(),
+                }),
+            }),
+        })
+    }
+
+    /// Device index.
+    pub fn ordinal(&self) -> usize {
+        self.shared.ordinal
+    }
+
+    /// The cap on memory obtained from the driver.
+    pub fn limit(&self) -> usize {
+        self.shared.limit
+    }
+
+    /// A buffer of `len` values of `T` for use on `stream`, with unspecified contents.
+    ///
+    /// Tries, in order: a block freed earlier on the same `stream` (no waiting), the pool's free
+    /// chunks, growth from the driver; then waits for all pending frees, trims, and tries again.
+    ///
+    /// # Safety
+    ///
+    /// The contents are whatever the memory held before (possibly another buffer's data, or bits
+    /// that are not a valid `T`): write it before reading it as `T`.
+    pub unsafe fn alloc<T>(
+        &self,
+        stream: &B::Stream,
+        len: usize,
+    ) -> Result<DeviceBuffer<T, B>, PoolError> {
+        let bytes =
+            len.checked_mul(core::mem::size_of::<T>())
+                .ok_or(PoolError::InvalidRequest {
+                    bytes: usize::MAX,
+                    align: core::mem::align_of::<T>(),
+                })?;
+        let (ptr, size) = self
+            .shared
+            .alloc_block(stream, bytes, core::mem::align_of::<T>())?;
+        Ok(DeviceBuffer::new(
+            ptr,
+            len,
+            size,
+            stream.clone(),
+            self.shared.clone(),
+        ))
+    }
+
+    /// Frees every pending block whose work has finished, then returns every fully free region to
+    /// the driver (TensorFlow's and PyTorch's `empty_cache`). Returns the bytes given back.
+    pub fn trim(&self) -> usize {
+        let mut st = self.shared.lock();
+        st.poll_pending();
+        let n = st.bfc.release_free_regions();
+        st.collect_source_errors();
+        n
+    }
+
+    /// Same as [`trim`](Self::trim).
+    pub fn empty_cache(&self) -> usize {
+        self.trim()
+    }
+
+    /// Waits for the work of every pending free, returns those blocks to the pool, then trims.
+    /// Returns the bytes given back to the driver.
+    pub fn synchronize(&self) -> usize {
+        let mut st = self.shared.lock();
+        st.flush_pending();
+        let n = st.bfc.release_free_regions();
+        st.collect_source_errors();
+        n
+    }
+
+    /// Counters: the engine's, pending frees, and the device's memory.
+    pub fn stats(&self) -> DeviceStats {
+        let mut st = self.shared.lock();
+        let allocator = st.bfc.stats();
+        let (device_free, device_total) = st.backend().mem_info().unwrap_or((0, 0));
+        DeviceStats {
+            ordinal: self.shared.ordinal,
+            allocator,
+            pending_blocks: st.pending.len(),
+            pending_bytes: st.pending_bytes,
+            device_free,
+            device_total,
+        }
+    }
+
+    /// Takes the errors recorded where none could be returned (while freeing buffers), oldest first.
+    pub fn take_errors(&self) -> Vec<PoolError> {
+        core::mem::take(&mut self.shared.lock().errors)
+    }
+
+    /// `Err` with the oldest recorded error (and clears them all), or `Ok` if there were none.
+    pub fn check_err(&self) -> Result<(), PoolError> {
+        match self.take_errors().into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs the engine's invariant checker (for tests and debugging).
+    pub fn check(&self) -> Result<(), CheckError> {
+        self.shared.lock().bfc.check()
+    }
+
+    /// Calls `f` with the back end (under the pool's lock; `f` must not use this pool).
+    pub fn with_backend_mut<R>(&self, f: impl FnOnce(&mut B) -> R) -> R {
+        f(self.shared.lock().backend())
+    }
+}

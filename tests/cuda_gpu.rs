@@ -1,0 +1,276 @@
+//! The device pool on a real GPU. Each test prints `skipping: <reason>` and returns when there is no
+//! CUDA driver or no device, so the suite passes on machines without a GPU.
+
+use std::sync::Arc;
+
+use bfc_alloc::cuda::{
+    device_count, driver_available, DeviceBuffer, DevicePool, PoolError, PoolOptions,
+};
+use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
+
+const MIB: usize = 1 << 20;
+
+/// A pool on device 0, or the reason there is none.
+fn pool(options: PoolOptions) -> Option<DevicePool> {
+    if !driver_available() {
+        println!("skipping: the CUDA driver library (libcuda) is not present");
+        return None;
+    }
+    match device_count() {
+        Ok(0) => {
+            println!("skipping: no CUDA device");
+            return None;
+        }
+        Err(e) => {
+            println!("skipping: {e}");
+            return None;
+        }
+        Ok(_) => {}
+    }
+    match DevicePool::new(0, options) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            println!("skipping: cannot open device 0: {e}");
+            None
+        }
+    }
+}
+
+#[test]
+fn no_driver_is_an_error_not_a_panic() {
+    if driver_available() {
+        println!("skipping: a driver is present");
+        return;
+    }
+    assert_eq!(
+        DevicePool::new(0, PoolOptions::default()).unwrap_err(),
+        PoolError::DriverNotFound
+    );
+    assert_eq!(
+        DevicePool::for_all_devices(PoolOptions::default()).unwrap_err(),
+        PoolError::DriverNotFound
+    );
+    assert_eq!(device_count().unwrap_err(), PoolError::DriverNotFound);
+}
+
+#[test]
+fn data_round_trips() {
+    let Some(pool) = pool(PoolOptions::with_limit(512 * MIB)) else {
+        return;
+    };
+    let stream = pool.context().default_stream();
+    for n in [1usize, 63, 64, 1000, 1 << 18, (10 << 20) / 4 + 3] {
+        let host: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+        let buf = pool.clone_htod(&stream, &host).unwrap();
+        assert_eq!(stream.clone_dtoh(&buf).unwrap(), host);
+        // Device to device between pool buffers.
+        // SAFETY: overwritten by the copy before it is read.
+        let mut copy: DeviceBuffer<f32> = unsafe { pool.alloc(&stream, n) }.unwrap();
+        stream.memcpy_dtod(&buf, &mut copy).unwrap();
+        let mut back = vec![0f32; n];
+        stream.memcpy_dtoh(&copy, &mut back).unwrap();
+        assert_eq!(back, host);
+        let zeros = pool.alloc_zeros::<u32>(&stream, n).unwrap();
+        assert!(stream.clone_dtoh(&zeros).unwrap().iter().all(|&x| x == 0));
+    }
+    stream.synchronize().unwrap();
+    pool.synchronize();
+    let s = pool.stats();
+    assert_eq!(s.allocator.bytes_in_use, 0);
+    assert!(s.device_total > 0);
+    pool.check_err().unwrap();
+}
+
+#[test]
+fn eight_threads_with_their_own_streams() {
+    let Some(pool) = pool(PoolOptions::with_limit(1 << 30)) else {
+        return;
+    };
+    let ctx = pool.context();
+    std::thread::scope(|scope| {
+        for t in 0..8u32 {
+            let pool = pool.clone();
+            let stream = ctx.new_stream().unwrap();
+            scope.spawn(move || {
+                let mut held = Vec::new();
+                for i in 0..200u32 {
+                    let n = 1 + ((t as usize * 7919 + i as usize * 104_729) % (256 << 10));
+                    let tag = (t << 24) | i;
+                    let host = vec![tag; n];
+                    held.push((pool.clone_htod(&stream, &host).unwrap(), tag));
+                    if held.len() > 6 {
+                        let (b, tag) = held.remove(i as usize % held.len());
+                        let back = stream.clone_dtoh(&b).unwrap();
+                        assert!(back.iter().all(|&x| x == tag), "thread {t}: corrupted");
+                    }
+                }
+                for (b, tag) in held {
+                    assert!(stream.clone_dtoh(&b).unwrap().iter().all(|&x| x == tag));
+                }
+            });
+        }
+    });
+    pool.synchronize();
+    assert_eq!(pool.stats().allocator.bytes_in_use, 0);
+    pool.check_err().unwrap();
+}
+
+#[test]
+fn oom_at_the_limit_then_recovery() {
+    let Some(pool) = pool(PoolOptions::with_limit(64 * MIB)) else {
+        return;
+    };
+    let stream = pool.context().default_stream();
+    let mut held = Vec::new();
+    let err = loop {
+        match pool.alloc_zeros::<u8>(&stream, 6 * MIB) {
+            Ok(b) => held.push(b),
+            Err(e) => break e,
+        }
+        assert!(held.len() < 100, "the limit was not enforced");
+    };
+    let PoolError::OutOfMemory(oom) = &err else {
+        panic!("expected out of memory, got {err}")
+    };
+    println!("{err}");
+    assert_eq!(oom.limit, 64 * MIB);
+    assert!(oom.reserved <= 64 * MIB);
+    assert!(oom.device_total > 0);
+    held.clear();
+    let again: Vec<_> = (0..4)
+        .map(|_| pool.alloc_zeros::<u8>(&stream, 6 * MIB).unwrap())
+        .collect();
+    drop(again);
+    stream.synchronize().unwrap();
+    pool.synchronize();
+    pool.check_err().unwrap();
+}
+
+const SPIN_FILL: &str = r#"
+extern "C" __global__ void spin_fill(unsigned int *p, unsigned long long n, unsigned int v,
+                                     long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        p[i] = v;
+    }
+}
+"#;
+
+fn spin_fill_kernel(ctx: &Arc<CudaContext>) -> Option<cudarc::driver::CudaFunction> {
+    // SAFETY: only tries to load the NVRTC library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        println!("skipping: NVRTC (libnvrtc) is not present");
+        return None;
+    }
+    let ptx = match cudarc::nvrtc::compile_ptx(SPIN_FILL) {
+        Ok(p) => p,
+        Err(e) => {
+            println!("skipping: NVRTC cannot compile the test kernel: {e}");
+            return None;
+        }
+    };
+    Some(
+        ctx.load_module(ptx)
+            .unwrap()
+            .load_function("spin_fill")
+            .unwrap(),
+    )
+}
+
+fn launch_spin_fill(
+    stream: &Arc<CudaStream>,
+    f: &cudarc::driver::CudaFunction,
+    buf: &DeviceBuffer<u32>,
+    value: u32,
+    cycles: i64,
+) {
+    let n = buf.len() as u64;
+    let mut b = stream.launch_builder(f);
+    b.arg(buf).arg(&n).arg(&value).arg(&cycles);
+    // SAFETY: the kernel writes `n` u32 values to a buffer of `n` u32.
+    unsafe { b.launch(LaunchConfig::for_num_elems(4096)) }.unwrap();
+}
+
+#[test]
+fn a_buffer_still_written_on_stream_a_does_not_corrupt_the_next_owner_on_b() {
+    let Some(pool) = pool(PoolOptions::with_limit(256 * MIB)) else {
+        return;
+    };
+    let ctx = pool.context();
+    let Some(f) = spin_fill_kernel(&ctx) else {
+        return;
+    };
+    let a = ctx.new_stream().unwrap();
+    let b = ctx.new_stream().unwrap();
+    let n = 4 * MIB;
+    // About half a second of spinning at ~2 GHz before the kernel writes.
+    let cycles = 1_000_000_000i64;
+
+    // SAFETY: written by the kernel before any read.
+    let old: DeviceBuffer<u32> = unsafe { pool.alloc(&a, n) }.unwrap();
+    let old_addr = old.device_address();
+    launch_spin_fill(&a, &f, &old, 0xdead_beef, cycles);
+    drop(old); // freed while the kernel still runs on A
+
+    // The next owner on B must not get that memory while A's kernel may still write it.
+    let host = vec![0x1234_5678u32; n];
+    let new = pool.clone_htod(&b, &host).unwrap();
+    b.synchronize().unwrap();
+    a.synchronize().unwrap();
+    let back = b.clone_dtoh(&new).unwrap();
+    assert!(
+        back.iter().all(|&x| x == 0x1234_5678),
+        "stream A's kernel corrupted stream B's buffer (reused address: {})",
+        new.device_address() == old_addr
+    );
+    drop(new);
+
+    // Same stream: the block is reused at once, and stream order keeps the data correct.
+    // SAFETY: written by the kernel before any read.
+    let old: DeviceBuffer<u32> = unsafe { pool.alloc(&a, n) }.unwrap();
+    let old_addr = old.device_address();
+    launch_spin_fill(&a, &f, &old, 0xdead_beef, cycles / 4);
+    drop(old);
+    let again = pool.clone_htod(&a, &host).unwrap();
+    assert_eq!(again.device_address(), old_addr, "same-stream reuse");
+    assert!(a
+        .clone_dtoh(&again)
+        .unwrap()
+        .iter()
+        .all(|&x| x == 0x1234_5678));
+
+    // A use on another stream through `DevicePtrMut` is ordered after the home stream's work.
+    // SAFETY: written by the kernel before any read.
+    let mut buf: DeviceBuffer<u32> = unsafe { pool.alloc(&a, n) }.unwrap();
+    launch_spin_fill(&a, &f, &buf, 0xdead_beef, cycles / 4);
+    b.memcpy_htod(&host, &mut buf).unwrap(); // waits for A's kernel first
+    b.synchronize().unwrap();
+    assert!(a
+        .clone_dtoh(&buf)
+        .unwrap()
+        .iter()
+        .all(|&x| x == 0x1234_5678));
+    drop(buf);
+    drop(again);
+    ctx.synchronize().unwrap();
+    pool.synchronize();
+    pool.check_err().unwrap();
+    ctx.check_err().unwrap();
+}
+
+#[test]
+fn a_pool_for_every_device() {
+    let Some(_) = pool(PoolOptions::default()) else {
+        return;
+    };
+    let pools = DevicePool::for_all_devices(PoolOptions::with_limit(64 * MIB)).unwrap();
+    assert_eq!(pools.len(), device_count().unwrap());
+    for (i, p) in pools.iter().enumerate() {
+        assert_eq!(p.ordinal(), i);
+        let s = p.context().default_stream();
+        let b = p.clone_htod(&s, &[i as u32; 100]).unwrap();
+        assert_eq!(s.clone_dtoh(&b).unwrap(), vec![i as u32; 100]);
+    }
+}

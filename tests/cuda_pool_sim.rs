@@ -1,0 +1,512 @@
+//! The device pool on a simulated device: every piece of its logic, on the CPU.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use bfc_alloc::core::OomCause;
+use bfc_alloc::cuda::{
+    min_system_memory, DeviceBuffer, DevicePool, MemoryLimit, PoolError, PoolOptions, SimBackend,
+    SimDevice, SimStream,
+};
+
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+
+type Pool = DevicePool<SimBackend>;
+
+fn pool(dev: &SimDevice, options: PoolOptions) -> Pool {
+    DevicePool::with_backend(dev.backend(), options).unwrap()
+}
+
+fn alloc(
+    pool: &Pool,
+    s: SimStream,
+    bytes: usize,
+) -> Result<DeviceBuffer<u8, SimBackend>, PoolError> {
+    // SAFETY: simulated memory is never read.
+    unsafe { pool.alloc::<u8>(&s, bytes) }
+}
+
+const A: SimStream = SimStream(1);
+const B: SimStream = SimStream(2);
+
+#[test]
+fn growth_starts_small_and_doubles() {
+    let dev = SimDevice::new(4 * GIB);
+    let p = pool(&dev, PoolOptions::with_limit(GIB));
+    assert_eq!(
+        dev.requests(),
+        Vec::<usize>::new(),
+        "nothing before the first buffer"
+    );
+    let a = alloc(&p, A, 1000).unwrap();
+    assert_eq!(dev.requests(), vec![2 * MIB]);
+    assert_eq!(a.block_size(), 1024);
+    assert_eq!(a.device_address() % 256, 0);
+    let b = alloc(&p, A, 2 * MIB).unwrap();
+    let c = alloc(&p, A, 3 * MIB).unwrap();
+    assert_eq!(dev.requests(), vec![2 * MIB, 4 * MIB, 8 * MIB]);
+    let s = p.stats();
+    assert_eq!(s.allocator.bytes_reserved, 14 * MIB);
+    assert_eq!(s.allocator.num_regions, 3);
+    assert_eq!(s.device_total, 4 * GIB);
+    assert_eq!(s.device_free, 4 * GIB - 14 * MIB);
+    drop((a, b, c));
+    p.check().unwrap();
+}
+
+#[test]
+fn no_growth_takes_one_region_of_the_limit() {
+    let dev = SimDevice::new(4 * GIB);
+    let p = pool(
+        &dev,
+        PoolOptions {
+            allow_growth: false,
+            ..PoolOptions::with_limit(256 * MIB)
+        },
+    );
+    let _a = alloc(&p, A, 100).unwrap();
+    let _b = alloc(&p, A, 100 * MIB).unwrap();
+    assert_eq!(dev.requests(), vec![256 * MIB]);
+    let err = alloc(&p, A, 200 * MIB).unwrap_err();
+    assert!(matches!(err, PoolError::OutOfMemory(_)));
+}
+
+#[test]
+fn limits_auto_fraction_bytes() {
+    // Auto: free memory minus TensorFlow's system reserve.
+    let dev = SimDevice::new(GIB);
+    assert_eq!(pool(&dev, PoolOptions::default()).limit(), GIB - 225 * MIB);
+    let dev = SimDevice::new(16 * GIB);
+    dev.set_used_by_others(GIB);
+    dev.set_compute_capability_major(7);
+    assert_eq!(
+        pool(&dev, PoolOptions::default()).limit(),
+        15 * GIB - 1050 * MIB
+    );
+    assert_eq!(min_system_memory(80 * GIB, 9), 1800 * MIB);
+    assert_eq!(min_system_memory(80 * GIB, 8), 1536 * MIB);
+    assert_eq!(min_system_memory(80 * GIB, 6), 500 * MIB);
+    // A fraction of the total.
+    let opts = PoolOptions {
+        limit: MemoryLimit::Fraction(0.5),
+        ..PoolOptions::default()
+    };
+    assert_eq!(pool(&dev, opts).limit(), 8 * GIB);
+    let bad = PoolOptions {
+        limit: MemoryLimit::Fraction(1.5),
+        ..PoolOptions::default()
+    };
+    assert!(matches!(
+        DevicePool::with_backend(dev.backend(), bad),
+        Err(PoolError::Config(_))
+    ));
+    // Bytes, rounded down to the granule; the limit caps what is reserved.
+    let p = pool(&dev, PoolOptions::with_limit(10 * MIB + 100));
+    assert_eq!(p.limit(), 10 * MIB);
+    let _a = alloc(&p, A, 6 * MIB).unwrap();
+    let e = alloc(&p, A, 6 * MIB).unwrap_err();
+    let PoolError::OutOfMemory(oom) = e else {
+        panic!("{e}")
+    };
+    assert_eq!(oom.report.cause, OomCause::LimitReached);
+    assert!(p.stats().allocator.bytes_reserved <= 10 * MIB);
+}
+
+#[test]
+fn backs_off_by_nine_tenths_when_the_driver_refuses() {
+    let dev = SimDevice::new(4 * GIB);
+    dev.set_refuse_above(100 * MIB);
+    let p = pool(
+        &dev,
+        PoolOptions {
+            allow_growth: false,
+            ..PoolOptions::with_limit(128 * MIB)
+        },
+    );
+    let _a = alloc(&p, A, MIB).unwrap();
+    let req = dev.requests();
+    assert_eq!(req[0], 128 * MIB);
+    for w in req.windows(2) {
+        assert!(w[1] < w[0] && w[1] >= w[0] / 10 * 9 - 256, "{req:?}");
+    }
+    assert!(*req.last().unwrap() <= 100 * MIB);
+    assert_eq!(p.stats().allocator.bytes_reserved, *req.last().unwrap());
+}
+
+#[test]
+fn trim_returns_free_regions_to_the_driver() {
+    let dev = SimDevice::new(4 * GIB);
+    let p = pool(&dev, PoolOptions::with_limit(GIB));
+    let a = alloc(&p, A, MIB).unwrap();
+    let b = alloc(&p, A, 3 * MIB).unwrap();
+    assert_eq!(dev.allocations_live(), 2);
+    drop(b);
+    // Still pending on A: trimming cannot release it yet.
+    assert_eq!(p.trim(), 0);
+    dev.complete(A);
+    assert_eq!(p.empty_cache(), 4 * MIB);
+    assert_eq!(dev.allocations_live(), 1);
+    drop(a);
+    assert_eq!(p.synchronize(), 2 * MIB);
+    assert_eq!(dev.bytes_live(), 0);
+    assert_eq!(p.stats().allocator.bytes_reserved, 0);
+    p.check().unwrap();
+}
+
+#[test]
+fn oom_report_has_the_numbers() {
+    let dev = SimDevice::new(64 * MIB);
+    let p = pool(&dev, PoolOptions::with_limit(32 * MIB));
+    let mut keep = Vec::new();
+    for _ in 0..6 {
+        keep.push(alloc(&p, A, 3 * MIB).unwrap());
+        let _gap = alloc(&p, A, MIB).unwrap();
+    }
+    let err = alloc(&p, A, 20 * MIB).unwrap_err();
+    let PoolError::OutOfMemory(oom) = &err else {
+        panic!("{err}")
+    };
+    let s = p.stats();
+    assert_eq!(oom.requested, 20 * MIB);
+    // Blocks are whole chunks (a 4 MiB chunk is not split for 3 MiB), so at least 18 MiB.
+    assert!(oom.in_use >= 18 * MIB);
+    assert_eq!(oom.in_use, s.allocator.bytes_in_use);
+    assert_eq!(oom.reserved, s.allocator.bytes_reserved);
+    assert_eq!(oom.limit, 32 * MIB);
+    assert_eq!(oom.device_total, 64 * MIB);
+    assert_eq!(oom.device_free, 64 * MIB - s.allocator.bytes_reserved);
+    assert_eq!(oom.largest_free_block, s.allocator.largest_free_block);
+    assert_eq!(
+        oom.pending_bytes, 0,
+        "pending frees are waited for before OOM"
+    );
+    let free_chunks: u32 = oom.report.free_by_size.iter().map(|b| b.count).sum();
+    assert_eq!(free_chunks as usize, s.allocator.num_free_chunks);
+    let text = err.to_string();
+    for needle in [
+        "out of memory",
+        "20971520",
+        "limit 33554432",
+        "device total 67108864",
+        "free chunks",
+    ] {
+        assert!(text.contains(needle), "{needle:?} not in {text}");
+    }
+    let _: &dyn std::error::Error = &err;
+}
+
+#[test]
+fn same_stream_reuses_at_once_other_streams_wait_for_the_event() {
+    let dev = SimDevice::new(4 * GIB);
+    let p = pool(&dev, PoolOptions::with_limit(GIB));
+    let a = alloc(&p, A, 4096).unwrap();
+    let addr = a.device_address();
+    drop(a);
+    assert_eq!(p.stats().pending_blocks, 1);
+    assert_eq!(dev.outstanding(A), 1);
+
+    // Another stream must not get it while A's work may still use it.
+    let b = alloc(&p, B, 4096).unwrap();
+    assert_ne!(b.device_address(), addr);
+    // The same stream gets it back at once, without waiting.
+    let a2 = alloc(&p, A, 4096).unwrap();
+    assert_eq!(a2.device_address(), addr);
+    assert_eq!(dev.event_syncs(), 0);
+    assert_eq!(p.stats().pending_blocks, 0);
+
+    drop(a2);
+    let b2 = alloc(&p, B, 4096).unwrap();
+    assert_ne!(b2.device_address(), addr);
+    // Once A's work is done, the block is everybody's.
+    dev.complete(A);
+    let b3 = alloc(&p, B, 4096).unwrap();
+    assert_eq!(b3.device_address(), addr);
+    assert_eq!(p.stats().pending_blocks, 0);
+    drop((b, b2, b3));
+    p.check().unwrap();
+}
+
+#[test]
+fn same_stream_reuse_does_not_hand_out_a_much_larger_block() {
+    let dev = SimDevice::new(4 * GIB);
+    let p = pool(&dev, PoolOptions::with_limit(GIB));
+    let big = alloc(&p, A, MIB).unwrap();
+    let addr = big.device_address();
+    drop(big);
+    let small = alloc(&p, A, 1024).unwrap();
+    assert_ne!(small.device_address(), addr);
+    assert_eq!(small.block_size(), 1024);
+    assert_eq!(p.stats().pending_blocks, 1);
+}
+
+#[test]
+fn oom_waits_for_pending_frees_then_succeeds() {
+    let dev = SimDevice::new(64 * MIB);
+    let p = pool(
+        &dev,
+        PoolOptions {
+            allow_growth: false,
+            ..PoolOptions::with_limit(16 * MIB)
+        },
+    );
+    let a = alloc(&p, A, 12 * MIB).unwrap();
+    let addr = a.device_address();
+    drop(a);
+    // Stream B cannot take A's pending block, and nothing else fits: the pool waits for A's event.
+    let b = alloc(&p, B, 12 * MIB).unwrap();
+    assert_eq!(b.device_address(), addr);
+    assert_eq!(dev.event_syncs(), 1);
+    assert_eq!(dev.outstanding(A), 0);
+}
+
+#[test]
+fn recovers_after_oom() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let mut held = Vec::new();
+    let err = loop {
+        match alloc(&p, A, 5 * MIB) {
+            Ok(b) => held.push(b),
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(err, PoolError::OutOfMemory(_)));
+    assert!(held.len() >= 8);
+    held.truncate(2);
+    // The next allocation on another stream waits for the frees and succeeds.
+    let again: Vec<_> = (0..4).map(|_| alloc(&p, B, 5 * MIB).unwrap()).collect();
+    drop(again);
+    drop(held);
+    p.synchronize();
+    assert_eq!(p.stats().allocator.bytes_in_use, 0);
+    assert_eq!(dev.bytes_live(), 0);
+    p.check_err().unwrap();
+    p.check().unwrap();
+}
+
+#[test]
+fn driver_refusal_is_in_the_report() {
+    let dev = SimDevice::new(GIB);
+    dev.set_used_by_others(GIB - 8 * MIB);
+    let p = pool(&dev, PoolOptions::with_limit(512 * MIB));
+    let _a = alloc(&p, A, 4 * MIB).unwrap();
+    let e = alloc(&p, A, 6 * MIB).unwrap_err();
+    let PoolError::OutOfMemory(oom) = e else {
+        panic!("{e}")
+    };
+    assert_eq!(oom.report.cause, OomCause::SourceRefused);
+    assert!(oom
+        .driver_error
+        .as_deref()
+        .unwrap()
+        .contains("OUT_OF_MEMORY"));
+}
+
+#[test]
+fn failed_event_record_is_deferred_and_the_block_waits_for_a_device_sync() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    dev.set_fail_event_record(true);
+    let a = alloc(&p, A, MIB).unwrap();
+    drop(a); // must not panic
+    dev.set_fail_event_record(false);
+    let s = p.stats();
+    assert_eq!(s.pending_blocks, 1);
+    dev.complete_all();
+    p.trim();
+    assert_eq!(
+        p.stats().pending_blocks,
+        1,
+        "no event: only a device sync releases it"
+    );
+    p.synchronize();
+    assert_eq!(dev.device_syncs(), 1);
+    assert_eq!(p.stats().pending_blocks, 0);
+    let errs = p.take_errors();
+    assert_eq!(errs.len(), 1);
+    assert!(errs[0].to_string().contains("cuEventRecord"), "{}", errs[0]);
+    p.check_err().unwrap();
+}
+
+#[test]
+fn dropping_the_pool_returns_everything_to_the_driver() {
+    let dev = SimDevice::new(GIB);
+    {
+        let p = pool(&dev, PoolOptions::with_limit(512 * MIB));
+        let a = alloc(&p, A, 3 * MIB).unwrap();
+        let b = alloc(&p, B, 30 * MIB).unwrap();
+        drop(a);
+        drop(p);
+        // The buffer keeps the pool alive.
+        assert!(dev.bytes_live() > 0);
+        drop(b);
+    }
+    assert_eq!(dev.bytes_live(), 0);
+    assert_eq!(dev.allocations_live(), 0);
+}
+
+#[test]
+fn eight_threads_never_overlap() {
+    let dev = SimDevice::new(4 * GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    let live: Arc<Mutex<BTreeMap<u64, u64>>> = Arc::default();
+    std::thread::scope(|scope| {
+        for t in 0..8u64 {
+            let p = p.clone();
+            let live = live.clone();
+            let dev = dev.clone();
+            scope.spawn(move || {
+                // Threads share streams pairwise, so both same-stream and cross-stream reuse happen.
+                let stream = SimStream(t / 2);
+                let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ t;
+                let mut held: Vec<DeviceBuffer<u8, SimBackend>> = Vec::new();
+                for i in 0..3000 {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    if held.len() < 16 && rng % 3 != 0 {
+                        let size = 1 + (rng >> 20) as usize % (256 << 10);
+                        let b = alloc(&p, stream, size).unwrap();
+                        let (lo, hi) = (
+                            b.device_address(),
+                            b.device_address() + b.block_size() as u64,
+                        );
+                        let mut map = live.lock().unwrap();
+                        if let Some((&s, &e)) = map.range(..hi).next_back() {
+                            assert!(e <= lo, "[{lo:#x},{hi:#x}) overlaps [{s:#x},{e:#x})");
+                        }
+                        map.insert(lo, hi);
+                        drop(map);
+                        held.push(b);
+                    } else if !held.is_empty() {
+                        let b = held.swap_remove((rng >> 32) as usize % held.len());
+                        live.lock().unwrap().remove(&b.device_address());
+                        drop(b);
+                    }
+                    if i % 64 == 0 {
+                        dev.complete(stream);
+                    }
+                }
+                for b in held {
+                    live.lock().unwrap().remove(&b.device_address());
+                }
+            });
+        }
+    });
+    p.synchronize();
+    let s = p.stats();
+    assert_eq!(s.allocator.bytes_in_use, 0);
+    assert_eq!(s.pending_blocks, 0);
+    // Same-stream reuse of pending blocks bypasses the engine, so fewer than all allocations count.
+    assert!(s.allocator.num_allocs > 1000);
+    p.check().unwrap();
+    p.check_err().unwrap();
+}
+
+#[test]
+fn pool_and_buffers_are_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Pool>();
+    check::<DeviceBuffer<f32, SimBackend>>();
+    check::<DevicePool>();
+    check::<DeviceBuffer<f32>>();
+}
+
+#[test]
+fn random_ops_never_hand_a_busy_block_to_another_stream() {
+    let dev = SimDevice::new(GIB);
+    // A small limit, so that out-of-memory flushes and trims happen often.
+    let p = pool(&dev, PoolOptions::with_limit(40 * MIB));
+    let streams = [SimStream(1), SimStream(2), SimStream(3)];
+    // Freed ranges whose event may not have completed: (lo, hi, stream, event sequence number).
+    let mut freed: Vec<(u64, u64, SimStream, u64)> = Vec::new();
+    let mut live: Vec<DeviceBuffer<u8, SimBackend>> = Vec::new();
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let (mut ooms, mut same_stream_reuses) = (0, 0);
+    for _ in 0..20_000 {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let s = streams[(rng >> 8) as usize % 3];
+        match rng % 10 {
+            0..=4 => {
+                let size = 256usize << ((rng >> 16) % 14);
+                let size = size + (rng >> 32) as usize % size;
+                match alloc(&p, s, size) {
+                    Ok(b) => {
+                        let (lo, hi) = (
+                            b.device_address(),
+                            b.device_address() + b.block_size() as u64,
+                        );
+                        for &(flo, fhi, fs, seq) in &freed {
+                            if flo < hi && lo < fhi {
+                                if fs == s {
+                                    same_stream_reuses += 1;
+                                } else {
+                                    assert!(
+                                        dev.completed(fs) >= seq,
+                                        "stream {s:?} got [{lo:#x},{hi:#x}) while {fs:?}'s work on \
+                                         [{flo:#x},{fhi:#x}) may still run"
+                                    );
+                                }
+                            }
+                        }
+                        for l in &live {
+                            let (llo, lhi) = (
+                                l.device_address(),
+                                l.device_address() + l.block_size() as u64,
+                            );
+                            assert!(hi <= llo || lhi <= lo, "overlapping live buffers");
+                        }
+                        live.push(b);
+                    }
+                    Err(PoolError::OutOfMemory(_)) => ooms += 1,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            5..=7 if !live.is_empty() => {
+                let b = live.swap_remove((rng >> 24) as usize % live.len());
+                let (lo, hi, hs) = (
+                    b.device_address(),
+                    b.device_address() + b.block_size() as u64,
+                    *b.home_stream(),
+                );
+                drop(b);
+                freed.push((lo, hi, hs, dev.recorded(hs)));
+            }
+            8 => dev.complete(s),
+            _ => {
+                p.trim();
+            }
+        }
+        freed.retain(|&(_, _, fs, seq)| dev.completed(fs) < seq);
+        if live.len() > 40 {
+            live.clear();
+        }
+    }
+    assert!(
+        ooms > 0 && same_stream_reuses > 0,
+        "ooms {ooms}, same-stream reuses {same_stream_reuses}"
+    );
+    drop(live);
+    p.synchronize();
+    assert_eq!(p.stats().allocator.bytes_in_use, 0);
+    p.check().unwrap();
+    p.check_err().unwrap();
+}
+
+#[test]
+fn invalid_requests_are_errors() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    // SAFETY: never read.
+    let e = unsafe { p.alloc::<u64>(&A, usize::MAX / 4) }.unwrap_err();
+    assert!(matches!(e, PoolError::InvalidRequest { .. }), "{e}");
+    // SAFETY: never read.
+    let e = unsafe { p.alloc::<u8>(&A, usize::MAX - 10) }.unwrap_err();
+    assert!(matches!(e, PoolError::InvalidRequest { .. }), "{e}");
+    let z = alloc(&p, A, 0).unwrap();
+    assert_eq!(z.block_size(), 256);
+    assert!(z.is_empty());
+}
