@@ -20,6 +20,6 @@ fi
 
 if [ -f loom-tests/models.rs ]; then
   echo "== loom models (release, bounded)"
-  RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}" \
+  RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-3}" \
     cargo test --release --test loom -- --test-threads=1
 fi

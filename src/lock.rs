@@ -16,11 +16,22 @@ unsafe impl<T: Send> Sync for SpinLock<T> {}
 // SAFETY: owning the lock owns the value.
 unsafe impl<T: Send> Send for SpinLock<T> {}
 
-/// Ordering of a successful lock acquisition. The negative-control build for the loom models weakens it.
-#[cfg(not(bfc_loom_broken_lock))]
-const ACQUIRE: Ordering = Ordering::Acquire;
-#[cfg(bfc_loom_broken_lock)]
-const ACQUIRE: Ordering = Ordering::Relaxed;
+/// Negative control for the loom models (loom builds only): when set, lock acquisition uses `Relaxed`
+/// instead of `Acquire`, which loom must report as a data race on the protected value.
+#[cfg(loom)]
+#[doc(hidden)]
+pub static LOOM_BREAK_ACQUIRE: core::sync::atomic::AtomicBool =
+    core::sync::atomic::AtomicBool::new(false);
+
+/// Ordering of a successful lock acquisition.
+#[inline(always)]
+fn acquire() -> Ordering {
+    #[cfg(loom)]
+    if LOOM_BREAK_ACQUIRE.load(core::sync::atomic::Ordering::Relaxed) {
+        return Ordering::Relaxed;
+    }
+    Ordering::Acquire
+}
 
 impl<T> SpinLock<T> {
     /// A new unlocked lock.
@@ -46,7 +57,7 @@ impl<T> SpinLock<T> {
     pub fn lock(&self) -> SpinGuard<'_, T> {
         if self
             .locked
-            .compare_exchange_weak(false, true, ACQUIRE, Ordering::Relaxed)
+            .compare_exchange_weak(false, true, acquire(), Ordering::Relaxed)
             .is_err()
         {
             self.lock_contended();
@@ -63,7 +74,7 @@ impl<T> SpinLock<T> {
             }
             if self
                 .locked
-                .compare_exchange_weak(false, true, ACQUIRE, Ordering::Relaxed)
+                .compare_exchange_weak(false, true, acquire(), Ordering::Relaxed)
                 .is_ok()
             {
                 return;
@@ -76,7 +87,7 @@ impl<T> SpinLock<T> {
     #[inline]
     pub fn try_lock(&self) -> Option<SpinGuard<'_, T>> {
         self.locked
-            .compare_exchange(false, true, ACQUIRE, Ordering::Relaxed)
+            .compare_exchange(false, true, acquire(), Ordering::Relaxed)
             .ok()
             .map(|_| SpinGuard { lock: self })
     }

@@ -191,13 +191,11 @@ fn bad_frees_are_detected_and_change_nothing() {
     free(&mut b, q);
     assert_eq!(b.deallocate(q), Err(FreeError::DoubleFree { ptr: q }));
     assert_eq!(b.deallocate(p), Err(FreeError::DoubleFree { ptr: p }));
-    // A pointer into a far block of the free tail.
-    assert_eq!(
-        b.deallocate(BASE + (1 << 29)),
-        Err(FreeError::DoubleFree {
-            ptr: BASE + (1 << 29)
-        })
-    );
+    // A pointer into a far block of the free tail (a long backward map scan: skipped under Miri).
+    if !cfg!(miri) {
+        let far = BASE + (1 << 29);
+        assert_eq!(b.deallocate(far), Err(FreeError::DoubleFree { ptr: far }));
+    }
     checked(&b);
 }
 

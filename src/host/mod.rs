@@ -209,6 +209,9 @@ enum State {
 pub struct GlobalBfc {
     config: HostConfig,
     state: SpinLock<State>,
+    /// Initialisations so far (loom builds only).
+    #[cfg(loom)]
+    inits: core::sync::atomic::AtomicUsize,
 }
 
 impl GlobalBfc {
@@ -228,6 +231,12 @@ impl GlobalBfc {
         }
     }
 
+    /// An allocator with [`HostConfig::DEFAULT`] (loom build: not `const`).
+    #[cfg(loom)]
+    pub fn new() -> Self {
+        Self::with_config(HostConfig::DEFAULT)
+    }
+
     /// An allocator with `config` (loom build: not `const`).
     #[cfg(loom)]
     pub fn with_config(config: HostConfig) -> Self {
@@ -235,7 +244,15 @@ impl GlobalBfc {
         GlobalBfc {
             config,
             state: SpinLock::new(State::Uninit),
+            inits: core::sync::atomic::AtomicUsize::new(0),
         }
+    }
+
+    /// How many times the heap was initialised (loom builds only; the models check it is once).
+    #[cfg(loom)]
+    #[doc(hidden)]
+    pub fn initialisations(&self) -> usize {
+        self.inits.load(core::sync::atomic::Ordering::Relaxed)
     }
 
     /// The parameters.
@@ -276,6 +293,11 @@ impl GlobalBfc {
         guard.with(|state| {
             if let State::Ready(h) = state {
                 return Some(f(h));
+            }
+            #[cfg(loom)]
+            if let State::Uninit = state {
+                self.inits
+                    .fetch_add(1, core::sync::atomic::Ordering::Relaxed);
             }
             init_state(state, &self.config);
             match state {
