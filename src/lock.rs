@@ -20,14 +20,14 @@ unsafe impl<T: Send> Send for SpinLock<T> {}
 /// instead of `Acquire`, which loom must report as a data race on the protected value.
 #[cfg(loom)]
 #[doc(hidden)]
-pub static LOOM_BREAK_ACQUIRE: core::sync::atomic::AtomicBool =
-    core::sync::atomic::AtomicBool::new(false);
+pub static LOOM_BREAK_ACQUIRE: crate::sync::UnmodelledAtomicBool =
+    crate::sync::UnmodelledAtomicBool::new(false);
 
 /// Ordering of a successful lock acquisition.
 #[inline(always)]
 fn acquire() -> Ordering {
     #[cfg(loom)]
-    if LOOM_BREAK_ACQUIRE.load(core::sync::atomic::Ordering::Relaxed) {
+    if LOOM_BREAK_ACQUIRE.load(crate::sync::UnmodelledOrdering::Relaxed) {
         return Ordering::Relaxed;
     }
     Ordering::Acquire

@@ -8,6 +8,14 @@ pub(crate) use core::sync::atomic::{AtomicBool, Ordering};
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, Ordering};
 
+/// Plain atomics that loom does not model, for loom-build instrumentation only (the negative-control
+/// switch and the initialisation counter).
+#[cfg(loom)]
+pub(crate) use core::sync::atomic::{
+    AtomicBool as UnmodelledAtomicBool, AtomicUsize as UnmodelledAtomicUsize,
+    Ordering as UnmodelledOrdering,
+};
+
 /// `UnsafeCell` with loom's closure-based access API on both builds.
 #[derive(Debug)]
 pub(crate) struct UnsafeCell<T>(

@@ -211,7 +211,7 @@ pub struct GlobalBfc {
     state: SpinLock<State>,
     /// Initialisations so far (loom builds only).
     #[cfg(loom)]
-    inits: core::sync::atomic::AtomicUsize,
+    inits: crate::sync::UnmodelledAtomicUsize,
 }
 
 impl GlobalBfc {
@@ -244,7 +244,7 @@ impl GlobalBfc {
         GlobalBfc {
             config,
             state: SpinLock::new(State::Uninit),
-            inits: core::sync::atomic::AtomicUsize::new(0),
+            inits: crate::sync::UnmodelledAtomicUsize::new(0),
         }
     }
 
@@ -252,7 +252,7 @@ impl GlobalBfc {
     #[cfg(loom)]
     #[doc(hidden)]
     pub fn initialisations(&self) -> usize {
-        self.inits.load(core::sync::atomic::Ordering::Relaxed)
+        self.inits.load(crate::sync::UnmodelledOrdering::Relaxed)
     }
 
     /// The parameters.
@@ -297,7 +297,7 @@ impl GlobalBfc {
             #[cfg(loom)]
             if let State::Uninit = state {
                 self.inits
-                    .fetch_add(1, core::sync::atomic::Ordering::Relaxed);
+                    .fetch_add(1, crate::sync::UnmodelledOrdering::Relaxed);
             }
             init_state(state, &self.config);
             match state {
