@@ -8,7 +8,28 @@ use crate::sync::{spin_wait, AtomicBool, Ordering, UnsafeCell};
 pub struct SpinLock<T> {
     locked: AtomicBool,
     value: UnsafeCell<T>,
+    /// Re-entry detection (std builds, not under loom): an id of the holding thread, and what to call
+    /// when a thread waits for a lock it holds itself (a deadlock, e.g. an allocation made while the
+    /// allocator's lock is held by a panic inside it).
+    #[cfg(all(feature = "std", not(loom)))]
+    owner: crate::sync::AtomicUsize,
+    #[cfg(all(feature = "std", not(loom)))]
+    on_reentry: Option<fn() -> !>,
 }
+
+/// An id of the current thread: the address of a thread-local (no allocation, no registration).
+#[cfg(all(feature = "std", not(loom)))]
+#[inline(always)]
+fn thread_id() -> usize {
+    std::thread_local! {
+        static ID: u8 = const { 0 };
+    }
+    ID.with(|id| id as *const u8 as usize)
+}
+
+/// Spins after which a waiter checks whether it holds the lock itself.
+#[cfg(all(feature = "std", not(loom)))]
+const REENTRY_CHECK_SPINS: u32 = 1 << 12;
 
 // SAFETY: the lock hands `&mut T` to one thread at a time (acquire on lock, release on unlock), so
 // sharing the lock only requires that `T` may move between threads.
@@ -40,7 +61,33 @@ impl<T> SpinLock<T> {
         SpinLock {
             locked: AtomicBool::new(false),
             value: UnsafeCell::new(value),
+            #[cfg(feature = "std")]
+            owner: crate::sync::AtomicUsize::new(0),
+            #[cfg(feature = "std")]
+            on_reentry: None,
         }
+    }
+
+    /// A new unlocked lock that calls `on_reentry` (which must not return, e.g. print and abort)
+    /// when a thread waits for the lock while holding it, instead of spinning forever. Detection
+    /// needs `std`; elsewhere this is [`new`](Self::new).
+    #[cfg(not(loom))]
+    pub const fn with_reentry_handler(value: T, on_reentry: fn() -> !) -> Self {
+        let _ = on_reentry;
+        SpinLock {
+            locked: AtomicBool::new(false),
+            value: UnsafeCell::new(value),
+            #[cfg(feature = "std")]
+            owner: crate::sync::AtomicUsize::new(0),
+            #[cfg(feature = "std")]
+            on_reentry: Some(on_reentry),
+        }
+    }
+
+    /// Loom build: as [`new`](Self::new) (loom threads share one OS thread, so no detection).
+    #[cfg(loom)]
+    pub fn with_reentry_handler(value: T, _on_reentry: fn() -> !) -> Self {
+        Self::new(value)
     }
 
     /// A new unlocked lock (loom's atomics are not `const`).
@@ -62,15 +109,33 @@ impl<T> SpinLock<T> {
         {
             self.lock_contended();
         }
+        #[cfg(all(feature = "std", not(loom)))]
+        if self.on_reentry.is_some() {
+            self.owner.store(thread_id(), Ordering::Relaxed);
+        }
         SpinGuard { lock: self }
     }
 
     #[cold]
     fn lock_contended(&self) {
         let mut spins = 0;
+        #[cfg(all(feature = "std", not(loom)))]
+        let mut waited = 0u32;
         loop {
             while self.locked.load(Ordering::Relaxed) {
                 spin_wait(&mut spins);
+                #[cfg(all(feature = "std", not(loom)))]
+                {
+                    waited = waited.wrapping_add(1);
+                    if waited % REENTRY_CHECK_SPINS == 0 {
+                        if let Some(handler) = self.on_reentry {
+                            // Only this thread writes its own id, so seeing it means it holds the lock.
+                            if self.owner.load(Ordering::Relaxed) == thread_id() {
+                                handler();
+                            }
+                        }
+                    }
+                }
             }
             if self
                 .locked
@@ -111,6 +176,45 @@ impl<T> SpinGuard<'_, T> {
 impl<T> Drop for SpinGuard<'_, T> {
     #[inline]
     fn drop(&mut self) {
+        #[cfg(all(feature = "std", not(loom)))]
+        if self.lock.on_reentry.is_some() {
+            self.lock.owner.store(0, Ordering::Relaxed);
+        }
         self.lock.locked.store(false, Ordering::Release);
+    }
+}
+
+#[cfg(all(test, feature = "std", not(loom)))]
+mod tests {
+    use super::*;
+
+    fn reentered() -> ! {
+        panic!("lock re-entered by its holder")
+    }
+
+    #[test]
+    #[should_panic(expected = "lock re-entered by its holder")]
+    fn waiting_for_a_lock_you_hold_calls_the_handler() {
+        static L: SpinLock<u32> = SpinLock::with_reentry_handler(0, reentered);
+        let _held = L.lock();
+        let _again = L.lock();
+    }
+
+    #[test]
+    fn other_threads_wait_instead_of_tripping_the_handler() {
+        static L: SpinLock<u64> = SpinLock::with_reentry_handler(0, reentered);
+        let threads: std::vec::Vec<_> = (0..4)
+            .map(|_| {
+                std::thread::spawn(|| {
+                    for _ in 0..20_000 {
+                        L.lock().with(|v| *v += 1);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(L.lock().with(|v| *v), 80_000);
     }
 }

@@ -3,6 +3,8 @@
 //! Normally these are `core`'s types; under `--cfg loom` they are loom's, so the lock that loom
 //! model-checks is the lock that ships.
 
+#[cfg(all(not(loom), feature = "std"))]
+pub(crate) use core::sync::atomic::AtomicUsize;
 #[cfg(not(loom))]
 pub(crate) use core::sync::atomic::{AtomicBool, Ordering};
 #[cfg(loom)]

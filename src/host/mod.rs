@@ -227,7 +227,7 @@ impl GlobalBfc {
         config.validate();
         GlobalBfc {
             config,
-            state: SpinLock::new(State::Uninit),
+            state: SpinLock::with_reentry_handler(State::Uninit, reentered),
         }
     }
 
@@ -243,7 +243,7 @@ impl GlobalBfc {
         config.validate();
         GlobalBfc {
             config,
-            state: SpinLock::new(State::Uninit),
+            state: SpinLock::with_reentry_handler(State::Uninit, reentered),
             inits: crate::sync::UnmodelledAtomicUsize::new(0),
         }
     }
@@ -306,6 +306,15 @@ impl GlobalBfc {
             }
         })
     }
+}
+
+/// A thread waited for the heap lock it holds itself: something allocated from inside the allocator
+/// (most likely a panic in it, whose handler allocates). Abort instead of hanging.
+fn reentered() -> ! {
+    os::fatal(format_args!(
+        "allocator re-entered by the thread holding its lock (a panic or an allocation inside \
+         the allocator?)"
+    ))
 }
 
 /// First use: reserves the arena and builds the heap in place. Kept out of line so the fast paths do
