@@ -21,5 +21,5 @@ fi
 if [ -f loom-tests/models.rs ]; then
   echo "== loom models (release, bounded)"
   RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-3}" \
-    cargo test --release --test loom -- --test-threads=1
+    cargo test --release --features cuda --test loom -- --test-threads=1
 fi

@@ -10,6 +10,14 @@ pub(crate) use core::sync::atomic::{AtomicBool, Ordering};
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, Ordering};
 
+#[cfg(loom)]
+#[allow(unused_imports)]
+pub(crate) use loom::sync::{Mutex, MutexGuard};
+/// Blocking mutex for the device pool's shared state: std's, or loom's under `--cfg loom`.
+#[cfg(all(feature = "std", not(loom)))]
+#[allow(unused_imports)]
+pub(crate) use std::sync::{Mutex, MutexGuard};
+
 /// Plain atomics that loom does not model, for loom-build instrumentation only (the negative-control
 /// switch and the initialisation counter).
 #[cfg(loom)]

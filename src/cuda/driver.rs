@@ -2,8 +2,9 @@
 //! [`DeviceBuffer`].
 
 use std::string::ToString;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, OnceLock, PoisonError};
+
+use crate::sync::{AtomicBool, Mutex, Ordering};
 use std::vec::Vec;
 
 use cudarc::driver::result::{self, DriverError};

@@ -2,7 +2,9 @@
 
 use std::boxed::Box;
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, PoisonError};
+
+use crate::sync::{Mutex, MutexGuard};
 use std::vec::Vec;
 
 use super::backend::DeviceBackend;

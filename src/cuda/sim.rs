@@ -6,7 +6,9 @@
 //! ([`SimDevice::complete`]) or the pool waited for it (which completes it, as a real wait would).
 
 use std::string::ToString;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, PoisonError};
+
+use crate::sync::{Mutex, MutexGuard};
 use std::vec::Vec;
 
 use super::backend::{BackendError, DeviceBackend};
