@@ -1,4 +1,4 @@
-//! A test-and-test-and-set spinlock built on the [`sync`](crate::sync) shim.
+//! A test-and-test-and-set spinlock built on the crate's sync shim (`src/sync.rs`).
 
 use crate::sync::{spin_wait, AtomicBool, Ordering, UnsafeCell};
 

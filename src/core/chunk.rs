@@ -124,7 +124,8 @@ impl Chunk {
         self.size_flags = self.size() | in_use as usize;
     }
 
-    /// Whether the chunk is free and known to have its pages returned (see [`CLEAN`]).
+    /// Whether the chunk is free and known to have its pages returned (see
+    /// [`Bfc::sweep_dirty`](super::Bfc::sweep_dirty)).
     #[inline]
     pub fn clean(&self) -> bool {
         self.size_flags & CLEAN != 0

@@ -10,7 +10,7 @@
 //! - A *region* is one range obtained from the [`MemorySource`]; chunks never span two regions.
 //! - A *chunk* ([`Chunk`]) is a granule-aligned piece of a region, in use or free. Records live in a
 //!   caller-provided fixed-capacity table; handles ([`ChunkHandle`]) are indices.
-//! - *Bins* hold free chunks by size class (16 classes per power of two, see [`bins`](self::bins)), with
+//! - *Bins* hold free chunks by size class (16 classes per power of two, see `bins.rs`), with
 //!   a two-level bitmap so finding a fitting bin is O(1) in the number of free chunks.
 //! - The *pointer map* finds the chunk of an address on free. TensorFlow keeps one entry per granule,
 //!   which at a 16-byte host granule would cost 25% of the memory. Here a region is cut into *map blocks*
