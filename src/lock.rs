@@ -58,14 +58,7 @@ impl<T> SpinLock<T> {
     /// A new unlocked lock.
     #[cfg(not(loom))]
     pub const fn new(value: T) -> Self {
-        SpinLock {
-            locked: AtomicBool::new(false),
-            value: UnsafeCell::new(value),
-            #[cfg(feature = "std")]
-            owner: crate::sync::AtomicUsize::new(0),
-            #[cfg(feature = "std")]
-            on_reentry: None,
-        }
+        Self::build(value, None)
     }
 
     /// A new unlocked lock that calls `on_reentry` (which must not return, e.g. print and abort)
@@ -73,6 +66,11 @@ impl<T> SpinLock<T> {
     /// needs `std`; elsewhere this is [`new`](Self::new).
     #[cfg(not(loom))]
     pub const fn with_reentry_handler(value: T, on_reentry: fn() -> !) -> Self {
+        Self::build(value, Some(on_reentry))
+    }
+
+    #[cfg(not(loom))]
+    const fn build(value: T, on_reentry: Option<fn() -> !>) -> Self {
         let _ = on_reentry;
         SpinLock {
             locked: AtomicBool::new(false),
@@ -80,7 +78,7 @@ impl<T> SpinLock<T> {
             #[cfg(feature = "std")]
             owner: crate::sync::AtomicUsize::new(0),
             #[cfg(feature = "std")]
-            on_reentry: Some(on_reentry),
+            on_reentry,
         }
     }
 

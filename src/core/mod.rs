@@ -1091,6 +1091,8 @@ fn align_up(x: usize, align: usize) -> usize {
 }
 
 #[cfg(feature = "std")]
+pub mod maps;
+#[cfg(feature = "std")]
 pub mod sim;
 
 #[cfg(test)]

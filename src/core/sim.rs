@@ -5,11 +5,10 @@
 
 extern crate std;
 
-use core::alloc::Layout;
 use core::ptr::NonNull;
-use std::boxed::Box;
 use std::vec::Vec;
 
+use super::maps::HeapMaps;
 use super::{ChunkHandle, MemorySource};
 
 /// A fake address space `[base, base + capacity)` carved into regions first-fit.
@@ -21,8 +20,8 @@ pub struct SimSource {
     free: Vec<(usize, usize)>,
     /// Live regions.
     live: Vec<(usize, usize)>,
-    /// Live maps: (region base, storage from `Box::into_raw`).
-    maps: Vec<(usize, *mut [Option<ChunkHandle>])>,
+    /// Live maps.
+    maps: HeapMaps,
     /// Requests larger than this are refused.
     pub refuse_above: usize,
     /// Every `alloc_region` size asked for, in order.
@@ -40,7 +39,7 @@ impl SimSource {
             capacity,
             free: std::vec![(base, capacity)],
             live: Vec::new(),
-            maps: Vec::new(),
+            maps: HeapMaps::new(),
             refuse_above: usize::MAX,
             requests: Vec::new(),
             regions_freed: 0,
@@ -118,49 +117,18 @@ unsafe impl MemorySource for SimSource {
         region_base: usize,
         entries: usize,
     ) -> Option<NonNull<Option<ChunkHandle>>> {
-        // Zeroed memory is a valid `[None; entries]`; `alloc_zeroed` avoids an element-wise fill
-        // (which is slow under Miri for large maps).
-        let entries = entries.max(1);
-        let layout = Layout::array::<Option<ChunkHandle>>(entries).ok()?;
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut Option<ChunkHandle>;
-        let raw = core::ptr::slice_from_raw_parts_mut(NonNull::new(ptr)?.as_ptr(), entries);
-        // SAFETY: `raw` is a zero-filled allocation with the layout `Box<[Option<ChunkHandle>]>` uses
-        // for this length, and all-zero bytes are valid `None`s; the box now owns it.
-        let raw = Box::into_raw(unsafe { Box::from_raw(raw) });
-        self.maps.push((region_base, raw));
-        NonNull::new(raw as *mut Option<ChunkHandle>)
+        self.maps.alloc(region_base, entries)
     }
 
     unsafe fn free_map(
         &mut self,
         region_base: usize,
         map: NonNull<Option<ChunkHandle>>,
-        entries: usize,
+        _entries: usize,
     ) {
-        let i = self
-            .maps
-            .iter()
-            .position(|&(b, m)| {
-                b == region_base
-                    && m as *mut Option<ChunkHandle> == map.as_ptr()
-                    && m.len() == entries.max(1)
-            })
-            .expect("SimSource: free of a map it did not hand out");
-        let (_, raw) = self.maps.swap_remove(i);
-        // SAFETY: `raw` came from `Box::into_raw` in `alloc_map` and is dropped once.
-        drop(unsafe { Box::from_raw(raw) });
+        assert!(
+            self.maps.free(region_base, map),
+            "SimSource: free of a map it did not hand out"
+        );
     }
 }
-
-impl Drop for SimSource {
-    fn drop(&mut self) {
-        for (_, raw) in self.maps.drain(..) {
-            // SAFETY: each entry came from `Box::into_raw` and is dropped once.
-            drop(unsafe { Box::from_raw(raw) });
-        }
-    }
-}
-
-// SAFETY: the map boxes are owned by this value alone (the raw pointers are only an ownership form).
-unsafe impl Send for SimSource {}

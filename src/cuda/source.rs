@@ -1,10 +1,10 @@
 //! The engine's memory source over a device back end.
 
 use core::ptr::NonNull;
-use std::boxed::Box;
 use std::vec::Vec;
 
 use super::backend::{BackendError, DeviceBackend};
+use crate::core::maps::HeapMaps;
 use crate::core::{ChunkHandle, MemorySource};
 
 /// Regions from the driver (`cuMemAlloc`), pointer maps in host memory.
@@ -13,8 +13,8 @@ pub(crate) struct DeviceSource<B> {
     /// Live regions: `(base handed to the engine, pointer from the driver)`. They differ only when
     /// the driver's pointer was not aligned enough and the region was over-allocated.
     raw: Vec<(usize, u64)>,
-    /// Live pointer maps: `(region base, storage from Box::into_raw)`.
-    maps: Vec<(usize, *mut [Option<ChunkHandle>])>,
+    /// Live pointer maps.
+    maps: HeapMaps,
     /// The driver's last refusal of a region (for the out-of-memory report).
     pub(crate) last_refusal: Option<BackendError>,
     /// Failures to free a region (surfaced through the pool's deferred errors).
@@ -26,7 +26,7 @@ impl<B: DeviceBackend> DeviceSource<B> {
         DeviceSource {
             backend,
             raw: Vec::new(),
-            maps: Vec::new(),
+            maps: HeapMaps::new(),
             last_refusal: None,
             free_errors: Vec::new(),
         }
@@ -97,10 +97,7 @@ unsafe impl<B: DeviceBackend> MemorySource for DeviceSource<B> {
         region_base: usize,
         entries: usize,
     ) -> Option<NonNull<Option<ChunkHandle>>> {
-        let storage: Box<[Option<ChunkHandle>]> = std::vec![None; entries].into_boxed_slice();
-        let raw = Box::into_raw(storage);
-        self.maps.push((region_base, raw));
-        NonNull::new(raw as *mut Option<ChunkHandle>)
+        self.maps.alloc(region_base, entries)
     }
 
     unsafe fn free_map(
@@ -109,28 +106,6 @@ unsafe impl<B: DeviceBackend> MemorySource for DeviceSource<B> {
         map: NonNull<Option<ChunkHandle>>,
         _entries: usize,
     ) {
-        let found = self
-            .maps
-            .iter()
-            .position(|&(b, m)| b == region_base && m as *mut Option<ChunkHandle> == map.as_ptr());
-        if let Some(i) = found {
-            let (_, raw) = self.maps.swap_remove(i);
-            // SAFETY: `raw` came from `Box::into_raw` in `alloc_map` and is dropped once (it was just
-            // removed from `maps`).
-            drop(unsafe { Box::from_raw(raw) });
-        }
+        self.maps.free(region_base, map);
     }
 }
-
-impl<B> Drop for DeviceSource<B> {
-    fn drop(&mut self) {
-        for (_, raw) in self.maps.drain(..) {
-            // SAFETY: each entry came from `Box::into_raw` and is dropped once.
-            drop(unsafe { Box::from_raw(raw) });
-        }
-    }
-}
-
-// SAFETY: the map boxes are owned by this value alone (the raw pointers are only an ownership form);
-// the back end is `Send`.
-unsafe impl<B: Send> Send for DeviceSource<B> {}
