@@ -38,6 +38,22 @@ fn churn_core(a: &dyn GlobalAlloc, steps: usize) -> f64 {
     churn_sizes(a, steps, 4097, 65536)
 }
 
+/// The churn in two threads at once, each with its own live set: ns per step of one thread.
+fn churn_two_threads(a: &dyn GlobalAlloc, steps: usize) -> f64 {
+    // `&dyn GlobalAlloc` is not `Sync`; both allocators compared here are, so share the pointer.
+    struct Shared<'a>(&'a dyn GlobalAlloc);
+    // SAFETY: only `GlobalBfc` and `System` are passed in, and both are `Sync`.
+    unsafe impl Sync for Shared<'_> {}
+    let shared = Shared(a);
+    let shared = &shared;
+    std::thread::scope(|s| {
+        let t: Vec<_> = (0..2)
+            .map(|_| s.spawn(move || churn_sizes(shared.0, steps, 8, 4096)))
+            .collect();
+        t.into_iter().map(|h| h.join().unwrap()).sum::<f64>() / 2.0
+    })
+}
+
 fn churn_sizes(a: &dyn GlobalAlloc, steps: usize, lo: usize, hi: usize) -> f64 {
     const LIVE: usize = 10_000;
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
@@ -155,8 +171,14 @@ fn main() {
         fn(&dyn GlobalAlloc, usize) -> f64,
         usize,
     );
-    let workloads: [Workload; 5] = [
+    let workloads: [Workload; 6] = [
         ("mixed-size churn", "ns/step", churn, 50_000 * scale),
+        (
+            "churn x2 threads",
+            "ns/step",
+            churn_two_threads,
+            50_000 * scale,
+        ),
         ("churn 4K..64K core", "ns/step", churn_core, 20_000 * scale),
         ("32-byte pairs", "ns/pair", pairs, 500_000 * scale),
         ("Vec growth", "ns/push", vec_growth, 2 * scale),

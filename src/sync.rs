@@ -68,10 +68,16 @@ pub(crate) fn spin_wait(spins: &mut u32) {
     }
     #[cfg(not(loom))]
     {
-        const SPIN_LIMIT: u32 = 64;
-        if *spins < SPIN_LIMIT {
+        // Exponential backoff: 1, 2, 4, .. 64 pause instructions per attempt, then yield. About a
+        // thousand pauses pass before the first yield, enough for a holder that is running to finish
+        // a heap operation, so a waiter does not give up its time slice while the lock is about to
+        // be released (with two threads on two cores, yielding early starves the waiter).
+        const BACKOFF_STEPS: u32 = 20;
+        if *spins < BACKOFF_STEPS {
+            for _ in 0..1u32 << (*spins).min(6) {
+                core::hint::spin_loop();
+            }
             *spins += 1;
-            core::hint::spin_loop();
         } else {
             #[cfg(feature = "std")]
             std::thread::yield_now();
