@@ -40,6 +40,15 @@ fn churn_core(a: &dyn GlobalAlloc, steps: usize) -> f64 {
 
 /// The churn in two threads at once, each with its own live set: ns per step of one thread.
 fn churn_two_threads(a: &dyn GlobalAlloc, steps: usize) -> f64 {
+    churn_threads(a, steps, 2)
+}
+
+/// Four threads on this machine's cores: must not collapse when waiters outnumber cores.
+fn churn_four_threads(a: &dyn GlobalAlloc, steps: usize) -> f64 {
+    churn_threads(a, steps, 4)
+}
+
+fn churn_threads(a: &dyn GlobalAlloc, steps: usize, threads: usize) -> f64 {
     // `&dyn GlobalAlloc` is not `Sync`; both allocators compared here are, so share the pointer.
     struct Shared<'a>(&'a dyn GlobalAlloc);
     // SAFETY: only `GlobalBfc` and `System` are passed in, and both are `Sync`.
@@ -47,10 +56,10 @@ fn churn_two_threads(a: &dyn GlobalAlloc, steps: usize) -> f64 {
     let shared = Shared(a);
     let shared = &shared;
     std::thread::scope(|s| {
-        let t: Vec<_> = (0..2)
+        let t: Vec<_> = (0..threads)
             .map(|_| s.spawn(move || churn_sizes(shared.0, steps, 8, 4096)))
             .collect();
-        t.into_iter().map(|h| h.join().unwrap()).sum::<f64>() / 2.0
+        t.into_iter().map(|h| h.join().unwrap()).sum::<f64>() / threads as f64
     })
 }
 
@@ -171,8 +180,14 @@ fn main() {
         fn(&dyn GlobalAlloc, usize) -> f64,
         usize,
     );
-    let workloads: [Workload; 6] = [
+    let workloads: [Workload; 7] = [
         ("mixed-size churn", "ns/step", churn, 50_000 * scale),
+        (
+            "churn x4 threads",
+            "ns/step",
+            churn_four_threads,
+            25_000 * scale,
+        ),
         (
             "churn x2 threads",
             "ns/step",
