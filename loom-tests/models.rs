@@ -66,6 +66,7 @@ fn concurrent_alloc_free_never_overlaps() {
                     assert_tagged(small, t + 1);
                     free(&a, small);
                     assert_tagged(large, t + 11);
+                    bfc_alloc::host::loom_exit_thread();
                     large
                 })
             })
@@ -92,7 +93,11 @@ fn lazy_initialisation_happens_once() {
         let handles: Vec<_> = (0..2u8)
             .map(|t| {
                 let a = a.clone();
-                thread::spawn(move || alloc_tagged(&a, 100, t + 1))
+                thread::spawn(move || {
+                    let b = alloc_tagged(&a, 100, t + 1);
+                    bfc_alloc::host::loom_exit_thread();
+                    b
+                })
             })
             .collect();
         let blocks: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
@@ -118,6 +123,7 @@ fn stats_stay_consistent_with_live_blocks() {
             thread::spawn(move || {
                 let first = alloc_tagged(&a, 64, 1);
                 let second = alloc_tagged(&a, 8192, 2);
+                bfc_alloc::host::loom_exit_thread();
                 (first, second)
             })
         };
@@ -131,14 +137,107 @@ fn stats_stay_consistent_with_live_blocks() {
             "stats saw {} bytes in use; the writer's blocks are {s1} then {s2}",
             s.bytes_in_use
         );
-        assert!(s.num_allocs <= 2 && (s.num_allocs == 0) == (s.bytes_in_use == 0));
+        // Blocks the writer's thread cache took in its refill are not in use.
+        assert!(
+            s.num_chunks_in_use <= 2 && (s.num_chunks_in_use == 0) == (s.bytes_in_use == 0),
+            "{s:?}"
+        );
         let after = a.stats();
-        assert_eq!((after.bytes_in_use, after.num_allocs), (s1 + s2, 2));
+        assert_eq!((after.bytes_in_use, after.num_chunks_in_use), (s1 + s2, 2));
         free(&a, first);
         free(&a, second);
         assert_eq!(a.stats().bytes_in_use, 0);
         a.check().expect("heap invariants");
     });
+}
+
+/// Model 5 (thread caches): a block allocated on one thread is freed on another (it joins the
+/// freeing thread's cache), and that thread reads stats (which walk the registry of caches) while the
+/// other frees and unregisters. No block is handed out twice, stats never count a cached block as in
+/// use, and after both threads' exit flushes every block is back in the slab layer.
+#[test]
+fn cross_thread_free_through_thread_caches() {
+    loom::model(|| {
+        let a = Arc::new(allocator());
+        let (tx, rx) = loom::sync::mpsc::channel::<(usize, Layout)>();
+        let producer = {
+            let a = a.clone();
+            thread::spawn(move || {
+                let sent = alloc_tagged(&a, 48, 1);
+                let own = alloc_tagged(&a, 48, 2);
+                tx.send(sent).unwrap();
+                assert_tagged(own, 2);
+                free(&a, own);
+                bfc_alloc::host::loom_exit_thread();
+            })
+        };
+        let consumer = {
+            let a = a.clone();
+            thread::spawn(move || {
+                let own = alloc_tagged(&a, 48, 3);
+                let got = rx.recv().unwrap();
+                assert_tagged(got, 1);
+                // Races the producer's free and exit flush: only caller-held blocks count.
+                let s = a.stats();
+                assert!(s.num_chunks_in_use <= 3, "{s:?}");
+                assert_eq!(s.bytes_in_use, s.num_chunks_in_use * 48, "{s:?}");
+                assert_ne!(got.0, own.0);
+                free(&a, got); // a cross-thread free, into this thread's cache
+                assert_tagged(own, 3);
+                let again = alloc_tagged(&a, 48, 4); // may be the block just freed
+                assert_ne!(again.0, own.0);
+                free(&a, again);
+                free(&a, own);
+                bfc_alloc::host::loom_exit_thread();
+            })
+        };
+        producer.join().unwrap();
+        consumer.join().unwrap();
+        let s = a.stats();
+        assert_eq!((s.bytes_in_use, s.num_chunks_in_use), (0, 0), "{s:?}");
+        a.check().expect("heap invariants");
+    });
+}
+
+/// Model 6 (thread caches): a thread's exit flush races the drop of the allocator its cache is
+/// bound to (the thread no longer holds a reference, as when a thread-local destructor runs after
+/// the thread's closure). Either the flush runs against the live allocator or the drop first marks
+/// the cache orphaned and the flush skips it; it never touches a dropped allocator.
+#[test]
+fn thread_exit_races_allocator_drop() {
+    loom::model(|| {
+        // Dropped in place and never deallocated, so a flush that came too late would find the
+        // dropped state (and fail the model) rather than freed memory.
+        let a: &'static GlobalBfc = Box::leak(Box::new(allocator()));
+        let (done_tx, done_rx) = loom::sync::mpsc::channel::<()>();
+        let worker = thread::spawn(move || {
+            let b = alloc_tagged(a, 32, 5);
+            free(a, b); // stays in this thread's cache
+            done_tx.send(()).unwrap(); // the closure is done with `a`...
+            bfc_alloc::host::loom_exit_thread(); // ...and its thread-local destructor runs
+        });
+        done_rx.recv().unwrap();
+        // SAFETY: the worker no longer uses `a` (it signalled so), nothing else holds it, and it
+        // is dropped once; its memory stays allocated (leaked).
+        unsafe { std::ptr::drop_in_place(a as *const GlobalBfc as *mut GlobalBfc) };
+        worker.join().unwrap();
+    });
+}
+
+/// Negative control for model 6: with the drop's bindings lock skipped, loom finds the schedule in
+/// which the exit flush meets the dropped allocator.
+#[test]
+#[should_panic(expected = "exit flush reached a dropped allocator")]
+fn exit_flush_without_the_bindings_lock_is_caught() {
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            bfc_alloc::host::LOOM_SKIP_DROP_BINDINGS.store(false, Ordering::Relaxed);
+        }
+    }
+    let _restore = Restore;
+    bfc_alloc::host::LOOM_SKIP_DROP_BINDINGS.store(true, Ordering::Relaxed);
+    thread_exit_races_allocator_drop();
 }
 
 /// Negative control: with the lock's acquire ordering weakened to `Relaxed`, loom must find the data
@@ -164,6 +263,7 @@ fn broken_lock_ordering_is_caught() {
                 thread::spawn(move || {
                     let b = alloc_tagged(&a, 32, t + 1);
                     free(&a, b);
+                    bfc_alloc::host::loom_exit_thread();
                 })
             })
             .collect();

@@ -32,6 +32,8 @@ pub mod host;
 pub use crate::core::{
     AllocError, Bfc, Chunk, ChunkHandle, Config, FreeError, MemorySource, OomReport, Stats,
 };
+#[cfg(all(feature = "host", feature = "std", unix))]
+pub use host::MAX_CACHED_BYTES;
 #[cfg(all(feature = "host", unix))]
 pub use host::{GlobalBfc, HostConfig};
 

@@ -8,7 +8,7 @@ pub(crate) use core::sync::atomic::AtomicUsize;
 #[cfg(not(loom))]
 pub(crate) use core::sync::atomic::{AtomicBool, Ordering};
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicBool, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 #[cfg(loom)]
 #[allow(unused_imports)]

@@ -103,13 +103,25 @@ fn realloc_patterns_preserve_contents() {
         let blocker = alloc(Layout::from_size_align(16, 16).unwrap());
         let p2 = realloc(p, l, 10_000); // must move: the neighbour is in use
         assert!((0..100).all(|i| *p2.add(i) == i as u8));
-        let p3 = realloc(p2, Layout::from_size_align(10_000, 16).unwrap(), 50);
+        let p3 = realloc(p2, Layout::from_size_align(10_000, 16).unwrap(), 5000);
         assert_eq!(p3, p2, "shrink stays in place");
-        assert!((0..50).all(|i| *p3.add(i) == i as u8));
-        let p4 = realloc(p3, Layout::from_size_align(50, 16).unwrap(), 5000);
+        assert!((0..100).all(|i| *p3.add(i) == i as u8));
+        let p4 = realloc(p3, Layout::from_size_align(5000, 16).unwrap(), 9000);
         assert_eq!(p4, p3, "grows in place into the tail freed by the shrink");
-        assert!((0..50).all(|i| *p4.add(i) == i as u8));
-        dealloc(p4, Layout::from_size_align(5000, 16).unwrap());
+        assert!((0..100).all(|i| *p4.add(i) == i as u8));
+        // Shrinking to a small size moves the block to the slab layer (a small block is always
+        // freed with a layout of its own size class, which thread caches rely on).
+        let p5 = realloc(p4, Layout::from_size_align(9000, 16).unwrap(), 50);
+        assert_ne!(p5, p4);
+        assert_eq!(A.usable_size(p5), Some(64));
+        assert!((0..50).all(|i| *p5.add(i) == i as u8));
+        // Within a size class a small block stays in place; across classes it moves.
+        let p6 = realloc(p5, Layout::from_size_align(50, 16).unwrap(), 60);
+        assert_eq!(p6, p5);
+        let p7 = realloc(p6, Layout::from_size_align(60, 16).unwrap(), 30);
+        assert_ne!(p7, p6);
+        assert!((0..30).all(|i| *p7.add(i) == i as u8));
+        dealloc(p7, Layout::from_size_align(30, 16).unwrap());
         dealloc(blocker, Layout::from_size_align(16, 16).unwrap());
     }
     A.check().unwrap();
@@ -339,6 +351,20 @@ fn child_entry() {
                 dealloc(q, big);
                 dealloc(std::hint::black_box(q), big);
             }
+            #[cfg(feature = "std")]
+            "double_free_flushed" => {
+                // The first free went into the thread cache and from there back to the slab layer.
+                dealloc(p, l);
+                A.flush_thread_cache();
+                dealloc(std::hint::black_box(p), l);
+            }
+            #[cfg(feature = "std")]
+            "wrong_layout" => {
+                // A 64-byte block freed as a 16-byte one joins the 16-byte list; it is caught when
+                // the list is flushed.
+                dealloc(p, Layout::from_size_align(16, 8).unwrap());
+                A.flush_thread_cache();
+            }
             "foreign" => {
                 let mut x = 0u64;
                 dealloc(&mut x as *mut u64 as *mut u8, l);
@@ -385,6 +411,13 @@ fn interior_pointer_free_aborts() {
 fn large_block_double_free_and_interior_free_abort() {
     assert_aborts("double_free_large", "double free of pointer");
     assert_aborts("interior_large", "into the middle of the block");
+}
+
+#[cfg(feature = "std")]
+#[test]
+fn thread_cache_double_free_and_wrong_layout_abort() {
+    assert_aborts("double_free_flushed", "double free of pointer");
+    assert_aborts("wrong_layout", "size class is not the block's");
 }
 
 #[test]

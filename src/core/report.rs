@@ -27,7 +27,8 @@ pub struct Stats {
     pub num_chunks_in_use: usize,
     /// Number of free chunks in the bins.
     pub num_free_chunks: usize,
-    /// Number of freed chunks held in quick lists (free to callers, not yet coalesced).
+    /// Number of freed chunks held in quick lists or, on the host, thread caches (free to callers,
+    /// not yet back in the bins or slabs).
     pub num_cached_chunks: usize,
     /// Their total size.
     pub bytes_cached: usize,

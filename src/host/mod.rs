@@ -35,6 +35,8 @@
 
 mod os;
 mod small;
+#[cfg(feature = "std")]
+mod tcache;
 
 use core::alloc::{GlobalAlloc, Layout};
 use core::ptr::{self, NonNull};
@@ -44,6 +46,13 @@ use crate::core::{
 };
 use crate::lock::SpinLock;
 use small::{SmallFree, SmallHeap, SPAN};
+#[cfg(all(feature = "std", loom))]
+#[doc(hidden)]
+pub use tcache::exit_thread as loom_exit_thread;
+#[cfg(feature = "std")]
+use tcache::ThreadCache;
+#[cfg(feature = "std")]
+pub use tcache::MAX_CACHED_BYTES;
 
 /// Host allocator parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +67,8 @@ pub struct HostConfig {
     pub release_threshold: usize,
     /// Allocation granule in bytes (default 16).
     pub granule: usize,
+    /// Per-thread caches of small blocks (`std` builds; default on). See the module docs.
+    pub thread_cache: bool,
 }
 
 impl HostConfig {
@@ -68,6 +79,7 @@ impl HostConfig {
         chunk_capacity: 1 << 25,
         release_threshold: 1 << 20,
         granule: 16,
+        thread_cache: true,
     };
 
     /// Panics (at compile time when used in a `static`) on bad parameters.
@@ -174,6 +186,13 @@ struct Heap {
     /// returned.
     dirty: usize,
     release_threshold: usize,
+    /// Process-unique id (thread caches bound to this heap hold it).
+    #[cfg(feature = "std")]
+    id: usize,
+    /// Head of the registry of thread caches bound to this heap (a `ThreadCache` address, 0 for
+    /// none); linked through the caches' `prev`/`next`.
+    #[cfg(feature = "std")]
+    caches: usize,
     /// End of the arena.
     arena_end: usize,
     /// Every byte ever handed out lies below this address (the arena above it was never touched, or
@@ -181,6 +200,36 @@ struct Heap {
     brk: usize,
     page: usize,
 }
+
+/// Keeps its value on cache lines of its own (the pair the CPU prefetches together).
+#[repr(align(128))]
+struct CacheLine<T>(T);
+
+/// Source of heap ids (never reused, unlike addresses).
+#[cfg(feature = "std")]
+static NEXT_ID: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(1);
+
+/// Serialises thread-exit flushes with instance drops (see `tcache`'s docs).
+#[cfg(all(feature = "std", not(loom)))]
+fn bindings() -> &'static SpinLock<()> {
+    static BINDINGS: SpinLock<()> = SpinLock::new(());
+    &BINDINGS
+}
+
+#[cfg(all(feature = "std", loom))]
+fn bindings() -> &'static SpinLock<()> {
+    loom::lazy_static! {
+        static ref BINDINGS: SpinLock<()> = SpinLock::new(());
+    }
+    &BINDINGS
+}
+
+/// Negative control for the loom models (loom builds only): when set, dropping an allocator does
+/// not take the bindings lock, which the thread-exit model must catch.
+#[cfg(all(feature = "std", loom))]
+#[doc(hidden)]
+pub static LOOM_SKIP_DROP_BINDINGS: crate::sync::UnmodelledAtomicBool =
+    crate::sync::UnmodelledAtomicBool::new(false);
 
 /// A sweep of large interior free chunks runs after this many thresholds of frees into them; a single
 /// freed block this large returns its pages at once.
@@ -206,9 +255,14 @@ enum State {
 ///
 /// See the [module docs](self) for the memory layout, when memory goes back to the kernel, and error
 /// behaviour.
+#[repr(C)]
 pub struct GlobalBfc {
     config: HostConfig,
-    state: SpinLock<State>,
+    /// The heap's id once initialised (0 before): read by every small allocation and free, so it
+    /// shares a cache line with the read-only config and not with the lock.
+    #[cfg(feature = "std")]
+    id: core::sync::atomic::AtomicUsize,
+    state: CacheLine<SpinLock<State>>,
     /// Initialisations so far (loom builds only).
     #[cfg(loom)]
     inits: crate::sync::UnmodelledAtomicUsize,
@@ -227,7 +281,9 @@ impl GlobalBfc {
         config.validate();
         GlobalBfc {
             config,
-            state: SpinLock::with_reentry_handler(State::Uninit, reentered),
+            #[cfg(feature = "std")]
+            id: core::sync::atomic::AtomicUsize::new(0),
+            state: CacheLine(SpinLock::with_reentry_handler(State::Uninit, reentered)),
         }
     }
 
@@ -243,7 +299,9 @@ impl GlobalBfc {
         config.validate();
         GlobalBfc {
             config,
-            state: SpinLock::with_reentry_handler(State::Uninit, reentered),
+            #[cfg(feature = "std")]
+            id: core::sync::atomic::AtomicUsize::new(0),
+            state: CacheLine(SpinLock::with_reentry_handler(State::Uninit, reentered)),
             inits: crate::sync::UnmodelledAtomicUsize::new(0),
         }
     }
@@ -261,6 +319,10 @@ impl GlobalBfc {
     }
 
     /// Current counters (all zero before first use). `bytes_reserved` is the arena's address space.
+    ///
+    /// `bytes_in_use` and `num_chunks_in_use` count blocks held by callers only: blocks waiting in
+    /// thread caches are subtracted. `num_allocs` counts a small block when it leaves the slab layer
+    /// (for a caller or a thread cache), and `peak_bytes_in_use` includes cached blocks.
     pub fn stats(&self) -> Stats {
         self.with_heap(|h| h.stats()).unwrap_or_default()
     }
@@ -273,7 +335,32 @@ impl GlobalBfc {
     /// Returns the pages of every free chunk of at least one page to the kernel. Returns the bytes
     /// of address space covered.
     pub fn release_free_memory(&self) -> usize {
+        #[cfg(feature = "std")]
+        self.flush_thread_cache();
         self.with_heap(|h| h.sweep(1)).unwrap_or(0)
+    }
+
+    /// Returns the calling thread's cached small blocks to the heap (if its cache serves this
+    /// allocator). Returns how many blocks went back. Threads flush automatically when they exit.
+    #[cfg(feature = "std")]
+    pub fn flush_thread_cache(&self) -> usize {
+        let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
+        tcache::with(|tc| {
+            if tc.owner.get() != id {
+                return 0;
+            }
+            let n = tc.held().1;
+            self.with_heap(|h| h.flush_all(tc));
+            n
+        })
+        .unwrap_or(0)
+    }
+
+    /// Bytes in the calling thread's cache for this allocator.
+    #[cfg(feature = "std")]
+    pub fn thread_cache_bytes(&self) -> usize {
+        let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
+        tcache::with(|tc| if tc.owner.get() == id { tc.held().0 } else { 0 }).unwrap_or(0)
     }
 
     /// Size of the reserved arena (0 before first use or if it could not be reserved).
@@ -289,7 +376,7 @@ impl GlobalBfc {
     /// Runs `f` on the heap, initialising it on first use; `None` if the arena is unavailable.
     #[inline]
     fn with_heap<R>(&self, f: impl FnOnce(&mut Heap) -> R) -> Option<R> {
-        let mut guard = self.state.lock();
+        let mut guard = self.state.0.lock();
         guard.with(|state| {
             if let State::Ready(h) = state {
                 return Some(f(h));
@@ -300,6 +387,10 @@ impl GlobalBfc {
                     .fetch_add(1, crate::sync::UnmodelledOrdering::Relaxed);
             }
             init_state(state, &self.config);
+            #[cfg(feature = "std")]
+            if let State::Ready(h) = state {
+                self.id.store(h.id, core::sync::atomic::Ordering::Relaxed);
+            }
             match state {
                 State::Ready(h) => Some(f(h)),
                 _ => None,
@@ -417,6 +508,10 @@ impl Heap {
             span_allocs: 0,
             dirty: 0,
             release_threshold: config.release_threshold,
+            #[cfg(feature = "std")]
+            id: NEXT_ID.fetch_add(1, core::sync::atomic::Ordering::Relaxed),
+            #[cfg(feature = "std")]
+            caches: 0,
             arena_end: arena + arena_size,
             brk: arena,
             page,
@@ -484,10 +579,18 @@ impl Heap {
         let mut s = self.bfc.stats();
         let spans = self.small.spans_live;
         s.bytes_in_use = self.in_use();
+        #[cfg(feature = "std")]
+        let (cached_bytes, cached_blocks) = self.cached();
+        #[cfg(not(feature = "std"))]
+        let (cached_bytes, cached_blocks) = (0, 0);
+        s.bytes_in_use -= cached_bytes;
+        // Blocks in thread caches are free to callers, like the engine's quick lists.
+        s.bytes_cached += cached_bytes;
+        s.num_cached_chunks += cached_blocks;
         s.peak_bytes_in_use = self.peak;
         s.largest_alloc_size = self.largest;
         s.num_allocs = s.num_allocs - self.span_allocs + self.small.allocs;
-        s.num_chunks_in_use = s.num_chunks_in_use - spans + self.small.objects;
+        s.num_chunks_in_use = s.num_chunks_in_use - spans + self.small.objects - cached_blocks;
         s.metadata_bytes += self.small.metadata_bytes(self.brk);
         s
     }
@@ -496,7 +599,10 @@ impl Heap {
         self.bfc.check()?;
         self.small
             .check(self.brk)
-            .map_err(|what| CheckError { what, at: 0 })
+            .map_err(|what| CheckError { what, at: 0 })?;
+        #[cfg(feature = "std")]
+        self.check_own_cache()?;
+        Ok(())
     }
 
     /// Applies the give-back policy (module docs) after `f` was released.
@@ -601,15 +707,25 @@ impl Heap {
     /// block (the caller copies and frees the old one), or null.
     fn realloc_step(&mut self, ptr: *mut u8, align: usize, new_size: usize) -> *mut u8 {
         let p = ptr as usize;
-        match self.small.lookup(p) {
-            Ok(Some(size)) => {
-                // Stay in place while the new size fits the class and wastes under half of it.
-                if new_size <= size && new_size > size / 2 {
+        match self.small.class_of_live(p) {
+            Ok(Some(c)) => {
+                // In place while the size stays in the class: a small block is always freed with a
+                // layout of its own class (thread caches rely on it).
+                if small::class_for(new_size, align) == Some(c) {
                     return ptr;
                 }
                 return self.allocate(new_size, align);
             }
-            Ok(None) => {}
+            Ok(None) => {
+                // An engine block shrinking to a small size moves to the slab layer, for the same
+                // reason.
+                if small::class_for(new_size, align).is_some() {
+                    if let Err(e) = self.bfc.usable_size(p) {
+                        os::fatal(format_args!("realloc: {e}"));
+                    }
+                    return self.allocate(new_size, align);
+                }
+            }
             Err(e) => small_error(p, e, "realloc: "),
         }
         match self.bfc.resize_in_place(p, new_size) {
@@ -644,8 +760,17 @@ unsafe impl Send for HostSource {}
 
 impl Drop for GlobalBfc {
     fn drop(&mut self) {
-        self.state.lock().with(|state| {
+        // Threads whose caches are bound to this heap must not flush into it once it is gone: mark
+        // them orphaned, under the lock their exit flush takes.
+        #[cfg(all(feature = "std", not(loom)))]
+        let _bindings = bindings().lock();
+        #[cfg(all(feature = "std", loom))]
+        let _bindings = (!LOOM_SKIP_DROP_BINDINGS.load(crate::sync::UnmodelledOrdering::Relaxed))
+            .then(|| bindings().lock());
+        self.state.0.lock().with(|state| {
             if let State::Ready(h) = core::mem::replace(state, State::Failed) {
+                #[cfg(feature = "std")]
+                h.for_each_cache(|tc| tc.orphaned.store(true, crate::sync::Ordering::Relaxed));
                 let s = h.bfc.source();
                 // SAFETY: `&mut self` proves no allocation from this allocator is still used through
                 // it (its blocks cannot outlive it), and the heap referencing the mappings is dropped
@@ -660,17 +785,30 @@ impl Drop for GlobalBfc {
 }
 
 // SAFETY: blocks come from the engine, which hands out each byte to one block at a time, honours the
-// layout's alignment, and never returns memory that is still allocated; every error path returns null
-// or aborts, and nothing here allocates through the global allocator or panics.
+// layout's alignment, and never returns memory that is still allocated; a thread cache only holds
+// blocks freed to it, each on one list, and hands each out once. Every error path returns null or
+// aborts, and nothing here allocates through the global allocator or panics.
 unsafe impl GlobalAlloc for GlobalBfc {
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        self.with_heap(|h| h.allocate(layout.size(), layout.align()))
-            .unwrap_or(ptr::null_mut())
+        #[cfg(feature = "std")]
+        if let Some(c) = small::class_for(layout.size(), layout.align()) {
+            return self.alloc_small(c);
+        }
+        self.alloc_locked(layout.size(), layout.align())
     }
 
     #[inline]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        #[cfg(feature = "std")]
+        if let Some(c) = small::class_for(layout.size(), layout.align()) {
+            let p = self.alloc_small(c);
+            if !p.is_null() {
+                // SAFETY: the block holds at least `size` bytes.
+                unsafe { ptr::write_bytes(p, 0, layout.size()) };
+            }
+            return p;
+        }
         let threshold = self.config.release_threshold;
         let Some((p, page)) =
             self.with_heap(|h| (h.allocate(layout.size(), layout.align()), h.page))
@@ -700,16 +838,51 @@ unsafe impl GlobalAlloc for GlobalBfc {
     }
 
     #[inline]
-    unsafe fn dealloc(&self, ptr: *mut u8, _layout: Layout) {
-        if self.with_heap(|h| h.free(ptr)).is_none() {
-            os::fatal(format_args!(
-                "free of pointer {ptr:p} but the heap was never initialised"
-            ));
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        #[cfg(feature = "std")]
+        if let Some(c) = small::class_for(layout.size(), layout.align()) {
+            let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
+            let done = tcache::with(|tc| {
+                tc.owner.get() == id
+                    // SAFETY: forwarded contract: `ptr` came from this allocator with a layout of
+                    // class `c`, and the cache is bound to this allocator.
+                    && matches!(unsafe { tc.push(c, ptr as usize) }, tcache::Push::Done)
+            });
+            if done != Some(true) {
+                self.free_small_slow(ptr, c);
+            }
+            return;
         }
+        let _ = layout;
+        self.free_locked(ptr);
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let align = layout.align();
+        #[cfg(feature = "std")]
+        if let Some(c) = small::class_for(layout.size(), align) {
+            let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
+            let plausible =
+                tcache::with(|tc| tc.owner.get() == id && tc.plausible(c, ptr as usize));
+            if plausible == Some(true) {
+                if small::class_for(new_size, align) == Some(c) {
+                    return ptr;
+                }
+                // SAFETY: forwarded contract: `new_size`, rounded up to `align`, fits an `isize`.
+                let new = unsafe {
+                    GlobalAlloc::alloc(self, Layout::from_size_align_unchecked(new_size, align))
+                };
+                if !new.is_null() {
+                    // SAFETY: both blocks are live, distinct, and hold at least the copied length;
+                    // `ptr` is freed once, with its layout.
+                    unsafe {
+                        ptr::copy_nonoverlapping(ptr, new, layout.size().min(new_size));
+                        GlobalAlloc::dealloc(self, ptr, layout);
+                    }
+                }
+                return new;
+            }
+        }
         let outcome = self.with_heap(|h| h.realloc_step(ptr, align, new_size));
         let new = match outcome {
             Some(p) => p,
@@ -726,6 +899,299 @@ unsafe impl GlobalAlloc for GlobalBfc {
             self.dealloc(ptr, layout);
         }
         new
+    }
+}
+
+impl GlobalBfc {
+    /// An allocation under the lock.
+    #[inline]
+    fn alloc_locked(&self, size: usize, align: usize) -> *mut u8 {
+        self.with_heap(|h| h.allocate(size, align))
+            .unwrap_or(ptr::null_mut())
+    }
+
+    /// A free under the lock.
+    #[inline]
+    fn free_locked(&self, ptr: *mut u8) {
+        if self.with_heap(|h| h.free(ptr)).is_none() {
+            os::fatal(format_args!(
+                "free of pointer {ptr:p} but the heap was never initialised"
+            ));
+        }
+    }
+
+    /// A small allocation: the thread cache's list for class `c`, else the slow path.
+    #[cfg(feature = "std")]
+    #[inline(always)]
+    fn alloc_small(&self, c: usize) -> *mut u8 {
+        let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
+        match tcache::with(|tc| {
+            if tc.owner.get() == id {
+                tc.pop(c)
+            } else {
+                None
+            }
+        }) {
+            Some(Some(p)) => p as *mut u8,
+            _ => self.alloc_small_slow(c),
+        }
+    }
+
+    /// Refills the thread's list (binding the cache first if it is free to bind), or allocates under
+    /// the lock when the thread's cache serves another instance or is gone.
+    #[cfg(feature = "std")]
+    #[cold]
+    #[inline(never)]
+    fn alloc_small_slow(&self, c: usize) -> *mut u8 {
+        let size = small::class_size(c);
+        let from_cache = tcache::with(|tc| {
+            let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
+            let owner = tc.owner.get();
+            if owner == id {
+                return self.with_heap(|h| h.refill_cache(tc, c));
+            }
+            let orphaned = tc.is_bound() && tc.orphaned.load(crate::sync::Ordering::Relaxed);
+            if !self.config.thread_cache || !(owner == tcache::UNBOUND || orphaned) {
+                return None;
+            }
+            if orphaned {
+                // The instance it served was dropped: its blocks went with its arena.
+                tc.forget();
+            }
+            tc.owner.set(tcache::BINDING);
+            // Registering the exit hook may allocate; those allocations see `BINDING` and take the
+            // lock (which is not held here).
+            if !tcache::register_exit_flush() {
+                tc.owner.set(tcache::DEAD);
+                return None;
+            }
+            let me = self as *const GlobalBfc as usize;
+            let p = self.with_heap(|h| {
+                h.register(tc);
+                tc.owner.set(h.id);
+                tc.instance.set(me);
+                tc.arena.set(h.small.arena());
+                tc.arena_len.set(h.arena_end - h.small.arena());
+                h.refill_cache(tc, c)
+            });
+            if p.is_none() {
+                tc.owner.set(tcache::UNBOUND);
+            }
+            p
+        })
+        .flatten();
+        match from_cache {
+            Some(p) => p,
+            None => self.alloc_locked(size, 16),
+        }
+    }
+
+    /// A small free the cache's fast path declined: the list is full, or the pointer needs checking.
+    #[cfg(feature = "std")]
+    #[cold]
+    #[inline(never)]
+    fn free_small_slow(&self, ptr: *mut u8, c: usize) {
+        let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
+        let done = tcache::with(|tc| {
+            if tc.owner.get() != id {
+                return false;
+            }
+            self.with_heap(|h| h.free_to_cache(tc, c, ptr as usize))
+                .is_some()
+        });
+        if done != Some(true) {
+            self.free_locked(ptr);
+        }
+    }
+}
+
+/// Flushes an exiting thread's cache into its instance, unless the instance was dropped.
+#[cfg(feature = "std")]
+fn on_thread_exit(tc: &ThreadCache) {
+    if tc.is_bound() {
+        bindings().lock().with(|_| {
+            if !tc.orphaned.load(crate::sync::Ordering::Relaxed) {
+                // SAFETY: the instance is alive: dropping it marks its caches orphaned under the
+                // bindings lock, which we hold, before it goes away.
+                let a = unsafe { &*(tc.instance.get() as *const GlobalBfc) };
+                let flushed = a.with_heap(|h| {
+                    h.flush_all(tc);
+                    h.unregister(tc);
+                });
+                // The models check that a flush never meets a dropped allocator (its state is
+                // `Failed` after `drop`); elsewhere there is nothing to do about it.
+                #[cfg(loom)]
+                assert!(flushed.is_some(), "exit flush reached a dropped allocator");
+                let _ = flushed;
+            }
+        });
+    }
+    tc.owner.set(tcache::DEAD);
+}
+
+/// The cache at a registry address.
+///
+/// # Safety
+/// `addr` is on a live heap's registry, read under its lock: caches leave the registry (under that
+/// lock) before their thread's storage goes away.
+#[cfg(feature = "std")]
+unsafe fn cache_at<'a>(addr: usize) -> &'a ThreadCache {
+    // SAFETY: see the contract.
+    unsafe { &*(addr as *const ThreadCache) }
+}
+
+#[cfg(feature = "std")]
+impl Heap {
+    /// Adds `tc` to the registry.
+    fn register(&mut self, tc: &ThreadCache) {
+        use crate::sync::Ordering::Relaxed;
+        let me = tc as *const ThreadCache as usize;
+        tc.prev.store(0, Relaxed);
+        tc.next.store(self.caches, Relaxed);
+        if self.caches != 0 {
+            // SAFETY: a registered cache, under the heap lock.
+            unsafe { cache_at(self.caches) }.prev.store(me, Relaxed);
+        }
+        self.caches = me;
+    }
+
+    /// Removes `tc` from the registry.
+    fn unregister(&mut self, tc: &ThreadCache) {
+        use crate::sync::Ordering::Relaxed;
+        let (prev, next) = (tc.prev.load(Relaxed), tc.next.load(Relaxed));
+        if prev == 0 {
+            self.caches = next;
+        } else {
+            // SAFETY: a registered cache, under the heap lock.
+            unsafe { cache_at(prev) }.next.store(next, Relaxed);
+        }
+        if next != 0 {
+            // SAFETY: as above.
+            unsafe { cache_at(next) }.prev.store(prev, Relaxed);
+        }
+    }
+
+    /// Runs `f` on every registered cache (touching only their atomics).
+    fn for_each_cache(&self, mut f: impl FnMut(&ThreadCache)) {
+        let mut cur = self.caches;
+        while cur != 0 {
+            // SAFETY: a registered cache, under the heap lock.
+            let tc = unsafe { cache_at(cur) };
+            f(tc);
+            cur = tc.next.load(crate::sync::Ordering::Relaxed);
+        }
+    }
+
+    /// `(bytes, blocks)` held by all thread caches.
+    fn cached(&self) -> (usize, usize) {
+        let mut total = (0, 0);
+        self.for_each_cache(|tc| {
+            let (b, n) = tc.held();
+            total.0 += b;
+            total.1 += n;
+        });
+        total
+    }
+
+    /// Moves a batch of class `c` blocks into the calling thread's cache `tc` and returns one more
+    /// for the caller (null when out of memory).
+    fn refill_cache(&mut self, tc: &ThreadCache, c: usize) -> *mut u8 {
+        let mut first = 0;
+        for _ in 0..=tcache::batch(c) {
+            let p = match self.small.alloc(c) {
+                Some(p) => p,
+                None => match self.small_refill(c) {
+                    Some(p) => p,
+                    None => break,
+                },
+            };
+            if first == 0 {
+                first = p;
+            } else {
+                // SAFETY: a fresh block of class `c`, now owned by the cache.
+                unsafe { tc.fill(c, p) };
+            }
+        }
+        if first != 0 {
+            self.note_peak(small::class_size(c));
+        }
+        first as *mut u8
+    }
+
+    /// Returns `n` blocks of class `c` from the calling thread's cache `tc` to the slab layer, each
+    /// checked to be a live object of class `c`.
+    fn flush_bin(&mut self, tc: &ThreadCache, c: usize, n: usize) {
+        for _ in 0..n {
+            let Some(p) = tc.pop(c) else { break };
+            match self.small.class_of_live(p) {
+                Ok(Some(k)) if k == c => self.free(p as *mut u8),
+                Ok(Some(_)) | Ok(None) => os::fatal(format_args!(
+                    "free of pointer {p:#x} with a layout whose size class is not the block's"
+                )),
+                Err(e) => small_error(p, e, ""),
+            }
+        }
+    }
+
+    /// Empties the calling thread's cache `tc`.
+    fn flush_all(&mut self, tc: &ThreadCache) {
+        for c in 0..small::NUM_CLASSES {
+            self.flush_bin(tc, c, tc.count(c));
+        }
+    }
+
+    /// The slow path of a small free into the calling thread's cache `tc`: checks the block against
+    /// the slab layer, makes room, and caches it.
+    fn free_to_cache(&mut self, tc: &ThreadCache, c: usize, p: usize) {
+        match self.small.class_of_live(p) {
+            Ok(Some(k)) if k == c => {
+                // SAFETY: a live object of class `c` (at least 16 bytes) that the caller frees.
+                if unsafe { ThreadCache::has_key(p) } && tc.contains(c, p) {
+                    small_error(p, SmallFree::DoubleFree, "");
+                }
+                if tc.count(c) >= tcache::bin_capacity(c) {
+                    self.flush_bin(tc, c, tcache::batch(c));
+                }
+                // SAFETY: as above; the block now belongs to the cache.
+                unsafe { tc.fill(c, p) };
+            }
+            // Not a live small block of class `c`: the pointer-based free reports a bad pointer, or
+            // frees a block whose layout named another class.
+            _ => self.free(p as *mut u8),
+        }
+    }
+
+    /// Checks the calling thread's cache, if bound to this heap: every listed block is a live
+    /// object of its list's class, and the counts match the lists.
+    fn check_own_cache(&self) -> Result<(), CheckError> {
+        let id = self.id;
+        tcache::with(|tc| {
+            if tc.owner.get() != id {
+                return Ok(());
+            }
+            for c in 0..small::NUM_CLASSES {
+                let mut n = 0;
+                let mut ok = true;
+                tc.walk(c, |p| {
+                    n += 1;
+                    ok &= matches!(self.small.class_of_live(p), Ok(Some(k)) if k == c);
+                });
+                if !ok {
+                    return Err(CheckError {
+                        what: "thread cache holds a block that is not a live object of its class",
+                        at: 0,
+                    });
+                }
+                if n != tc.count(c) || n > tcache::bin_capacity(c) {
+                    return Err(CheckError {
+                        what: "thread cache count disagrees with its list",
+                        at: 0,
+                    });
+                }
+            }
+            Ok(())
+        })
+        .unwrap_or(Ok(()))
     }
 }
 

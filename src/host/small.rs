@@ -30,7 +30,7 @@ pub(crate) const CLASS_SIZES: [u32; 28] = [
     16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
     1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096,
 ];
-const NUM_CLASSES: usize = CLASS_SIZES.len();
+pub(crate) const NUM_CLASSES: usize = CLASS_SIZES.len();
 
 /// `CLASS_OF[(size + 15) / 16]` is the class of a request of `size` bytes (`1..=SMALL_MAX`).
 const CLASS_OF: [u8; SMALL_MAX / 16 + 1] = {
@@ -67,6 +67,21 @@ pub(crate) fn class_for(size: usize, align: usize) -> Option<usize> {
     } else {
         None
     }
+}
+
+/// Size of class `c`'s objects.
+#[cfg_attr(not(feature = "std"), allow(dead_code))]
+#[inline(always)]
+pub(crate) const fn class_size(c: usize) -> usize {
+    CLASS_SIZES[c] as usize
+}
+
+/// Whether `offset` (from a span's start, below [`SPAN`]) is the start of an object of class `c`.
+#[cfg_attr(not(feature = "std"), allow(dead_code))]
+#[inline(always)]
+pub(crate) fn is_object_start(offset: usize, c: usize) -> bool {
+    let idx = ((offset as u64 * RECIP[c]) >> 32) as usize;
+    idx * CLASS_SIZES[c] as usize == offset
 }
 
 /// Metadata of one 64 KiB window of the arena. All-zero bytes mean "not a span".
@@ -136,6 +151,12 @@ impl SmallHeap {
             spans_peak: 0,
             allocs: 0,
         }
+    }
+
+    /// Start of the arena.
+    #[cfg_attr(not(feature = "std"), allow(dead_code))]
+    pub(crate) fn arena(&self) -> usize {
+        self.arena
     }
 
     /// Bytes of one span-table entry.
@@ -226,6 +247,12 @@ impl SmallHeap {
     pub(crate) fn lookup(&self, ptr: usize) -> Result<Option<usize>, SmallFree> {
         self.locate(ptr)
             .map(|l| l.map(|(_, c, _)| CLASS_SIZES[c] as usize))
+    }
+
+    /// The class of the live object at `ptr` (`Ok(None)` if `ptr` is not in a span).
+    #[inline]
+    pub(crate) fn class_of_live(&self, ptr: usize) -> Result<Option<usize>, SmallFree> {
+        self.locate(ptr).map(|l| l.map(|(_, c, _)| c))
     }
 
     /// `(span index, class, object index)` of the live object at `ptr`.

@@ -1,0 +1,202 @@
+//! Per-thread caches with `GlobalBfc` as the global allocator: many short-lived threads (RSS stays
+//! flat, caches go back at exit), cross-thread frees, the cache bound, and stats that exclude cached
+//! blocks.
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::hint::black_box;
+use std::sync::mpsc;
+use std::sync::Mutex;
+
+use bfc_alloc::{GlobalBfc, HostConfig, MAX_CACHED_BYTES};
+
+#[global_allocator]
+static A: GlobalBfc = GlobalBfc::new();
+
+/// The tests measure process-wide counters: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn rss_bytes() -> usize {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
+    let pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+/// A thread's worth of small-object traffic: fills several classes' caches.
+fn small_traffic(seed: u64) -> usize {
+    let mut keep: Vec<Box<[u8]>> = Vec::new();
+    let mut s = seed | 1;
+    let mut sum = 0usize;
+    for i in 0..400 {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        let size = 8 + (s % 2000) as usize;
+        let b = vec![i as u8; size].into_boxed_slice();
+        sum += b[size - 1] as usize;
+        if i % 3 == 0 {
+            keep.push(b);
+        }
+    }
+    sum + keep.len()
+}
+
+#[test]
+fn ten_thousand_short_lived_threads_keep_rss_flat() {
+    let _s = serial();
+    let run = |n: usize| {
+        for batch in 0..n / 8 {
+            let hs: Vec<_> = (0..8)
+                .map(|t| std::thread::spawn(move || small_traffic((batch * 8 + t) as u64)))
+                .collect();
+            for h in hs {
+                black_box(h.join().unwrap());
+            }
+        }
+    };
+    run(1_000); // warm up: thread stacks, the runtime's own structures
+    let (rss0, s0) = (rss_bytes(), A.stats());
+    run(9_000);
+    let (rss1, s1) = (rss_bytes(), A.stats());
+    println!(
+        "RSS after 1,000 threads: {} KiB; after 10,000: {} KiB; in use {} -> {} B, cached {} -> {} B",
+        rss0 >> 10,
+        rss1 >> 10,
+        s0.bytes_in_use,
+        s1.bytes_in_use,
+        s0.bytes_cached,
+        s1.bytes_cached
+    );
+    // Each exited thread's cache went back: nothing accumulates per thread.
+    assert!(
+        rss1 < rss0 + (8 << 20),
+        "RSS grew from {} KiB to {} KiB over 9,000 threads",
+        rss0 >> 10,
+        rss1 >> 10
+    );
+    assert!(
+        s1.bytes_in_use < s0.bytes_in_use + (1 << 20),
+        "{s0:?} -> {s1:?}"
+    );
+    assert!(
+        s1.bytes_cached <= s0.bytes_cached + MAX_CACHED_BYTES,
+        "{s0:?} -> {s1:?}"
+    );
+    A.check().unwrap();
+}
+
+#[test]
+fn a_threads_cache_goes_back_when_it_exits() {
+    let _s = serial();
+    static LOCAL: GlobalBfc = GlobalBfc::with_config(HostConfig {
+        arena_size: 1 << 30,
+        ..HostConfig::DEFAULT
+    });
+    let l = Layout::from_size_align(64, 8).unwrap();
+    std::thread::spawn(move || {
+        // No global-allocator traffic on this thread before `LOCAL`'s first small allocation, so
+        // the thread's cache binds to `LOCAL`.
+        let mut blocks = [0usize; 100];
+        for b in blocks.iter_mut() {
+            // SAFETY: a valid layout.
+            *b = unsafe { black_box(LOCAL.alloc(l)) } as usize;
+        }
+        for &p in &blocks {
+            // SAFETY: allocated above with `l`, freed once.
+            unsafe { LOCAL.dealloc(p as *mut u8, l) };
+        }
+        let s = LOCAL.stats();
+        assert_eq!(s.bytes_in_use, 0, "cached blocks are not in use: {s:?}");
+        assert!(s.bytes_cached >= 100 * 64, "{s:?}");
+        assert_eq!(LOCAL.thread_cache_bytes(), s.bytes_cached);
+        LOCAL.check().unwrap();
+    })
+    .join()
+    .unwrap();
+    let s = LOCAL.stats();
+    assert_eq!(
+        (s.bytes_in_use, s.bytes_cached, s.num_cached_chunks),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    LOCAL.check().unwrap();
+}
+
+#[test]
+fn cross_thread_frees_lose_nothing() {
+    let _s = serial();
+    let before = A.stats();
+    let (tx, rx) = mpsc::sync_channel::<Vec<Box<[u64]>>>(4);
+    let producer = std::thread::spawn(move || {
+        for round in 0..2_000u64 {
+            let batch: Vec<Box<[u64]>> = (0..64)
+                .map(|i| vec![round * 64 + i; 1 + (i as usize * 7) % 60].into_boxed_slice())
+                .collect();
+            tx.send(batch).unwrap();
+        }
+    });
+    let consumer = std::thread::spawn(move || {
+        let mut n = 0u64;
+        for (round, batch) in rx.iter().enumerate() {
+            for (i, b) in batch.into_iter().enumerate() {
+                let want = round as u64 * 64 + i as u64;
+                assert!(
+                    b.iter().all(|&x| x == want),
+                    "block changed hands corrupted"
+                );
+                n += 1;
+            }
+        }
+        n
+    });
+    producer.join().unwrap();
+    assert_eq!(consumer.join().unwrap(), 128_000);
+    let after = A.stats();
+    assert!(
+        after.bytes_in_use < before.bytes_in_use + (64 << 10),
+        "{before:?} -> {after:?}"
+    );
+    A.check().unwrap();
+}
+
+#[test]
+fn the_cache_is_bounded_and_flushes_on_demand() {
+    let _s = serial();
+    A.flush_thread_cache();
+    let before = A.stats();
+    let mut blocks: Vec<(usize, Layout)> = Vec::new();
+    for size in (16..=4096).step_by(16) {
+        let l = Layout::from_size_align(size, 8).unwrap();
+        for _ in 0..300 {
+            // SAFETY: a valid layout.
+            blocks.push((unsafe { black_box(A.alloc(l)) } as usize, l));
+        }
+    }
+    let during = A.stats();
+    for &(p, l) in &blocks {
+        // SAFETY: allocated above with `l`, freed once.
+        unsafe { A.dealloc(p as *mut u8, l) };
+        assert!(A.thread_cache_bytes() <= MAX_CACHED_BYTES);
+    }
+    drop(blocks);
+    let cached = A.thread_cache_bytes();
+    let after = A.stats();
+    println!(
+        "cached after freeing 76,800 small blocks: {cached} B (bound {MAX_CACHED_BYTES} B); \
+         in use {} -> {} -> {} B",
+        before.bytes_in_use, during.bytes_in_use, after.bytes_in_use
+    );
+    assert!(cached > 0 && cached <= MAX_CACHED_BYTES);
+    assert!(after.bytes_cached >= cached);
+    assert!(
+        after.bytes_in_use <= before.bytes_in_use + 4096,
+        "{before:?} -> {after:?}"
+    );
+    A.check().unwrap();
+    assert!(A.flush_thread_cache() > 0);
+    assert_eq!(A.thread_cache_bytes(), 0);
+    A.check().unwrap();
+}
