@@ -7,7 +7,7 @@ use std::hint::black_box;
 use std::sync::mpsc;
 use std::sync::Mutex;
 
-use bfc_alloc::{GlobalBfc, HostConfig, MAX_CACHED_BYTES};
+use bfc_alloc::{GlobalBfc, MAX_CACHED_BYTES};
 
 #[global_allocator]
 static A: GlobalBfc = GlobalBfc::new();
@@ -86,43 +86,6 @@ fn ten_thousand_short_lived_threads_keep_rss_flat() {
         "{s0:?} -> {s1:?}"
     );
     A.check().unwrap();
-}
-
-#[test]
-fn a_threads_cache_goes_back_when_it_exits() {
-    let _s = serial();
-    static LOCAL: GlobalBfc = GlobalBfc::with_config(HostConfig {
-        arena_size: 1 << 30,
-        ..HostConfig::DEFAULT
-    });
-    let l = Layout::from_size_align(64, 8).unwrap();
-    std::thread::spawn(move || {
-        // No global-allocator traffic on this thread before `LOCAL`'s first small allocation, so
-        // the thread's cache binds to `LOCAL`.
-        let mut blocks = [0usize; 100];
-        for b in blocks.iter_mut() {
-            // SAFETY: a valid layout.
-            *b = unsafe { black_box(LOCAL.alloc(l)) } as usize;
-        }
-        for &p in &blocks {
-            // SAFETY: allocated above with `l`, freed once.
-            unsafe { LOCAL.dealloc(p as *mut u8, l) };
-        }
-        let s = LOCAL.stats();
-        assert_eq!(s.bytes_in_use, 0, "cached blocks are not in use: {s:?}");
-        assert!(s.bytes_cached >= 100 * 64, "{s:?}");
-        assert_eq!(LOCAL.thread_cache_bytes(), s.bytes_cached);
-        LOCAL.check().unwrap();
-    })
-    .join()
-    .unwrap();
-    let s = LOCAL.stats();
-    assert_eq!(
-        (s.bytes_in_use, s.bytes_cached, s.num_cached_chunks),
-        (0, 0, 0),
-        "{s:?}"
-    );
-    LOCAL.check().unwrap();
 }
 
 #[test]

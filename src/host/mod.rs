@@ -14,6 +14,22 @@
 //! small allocation or free is a bit operation and a double free is still detected. Everything larger
 //! goes to the engine, with its best fit and coalescing.
 //!
+//! # Thread caches (`std`)
+//!
+//! In front of the slab layer each thread keeps bounded per-class lists of free small blocks, so most
+//! small allocations and frees take no lock (see `tcache.rs` for the protocol):
+//! - at most [`MAX_CACHED_BYTES`] (460 KiB) per thread; half a list moves per lock acquisition;
+//! - a block freed on another thread joins that thread's cache;
+//! - a thread's cache is flushed when the thread exits, and on demand by
+//!   [`GlobalBfc::flush_thread_cache`] (and [`GlobalBfc::release_free_memory`]);
+//! - blocks leaving a cache are checked by the slab layer, and a block freed twice on one thread is
+//!   caught at the second free;
+//! - [`GlobalBfc::stats`] counts cached blocks as cached, not in use;
+//! - a thread's cache serves the first instance that uses it; other instances take the lock there.
+//!
+//! A small block is always freed with a layout of its own size class: `realloc` keeps a small block in
+//! place only within its class, and moves a large block that shrinks to a small size.
+//!
 //! # Giving memory back
 //!
 //! With `T` = [`HostConfig::release_threshold`], pages go back to the kernel
@@ -943,65 +959,67 @@ impl GlobalBfc {
     #[cold]
     #[inline(never)]
     fn alloc_small_slow(&self, c: usize) -> *mut u8 {
-        let size = small::class_size(c);
-        let from_cache = tcache::with(|tc| {
-            let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
-            let owner = tc.owner.get();
-            if owner == id {
-                return self.with_heap(|h| h.refill_cache(tc, c));
-            }
-            let orphaned = tc.is_bound() && tc.orphaned.load(crate::sync::Ordering::Relaxed);
-            if !self.config.thread_cache || !(owner == tcache::UNBOUND || orphaned) {
-                return None;
-            }
-            if orphaned {
-                // The instance it served was dropped: its blocks went with its arena.
-                tc.forget();
-            }
-            tc.owner.set(tcache::BINDING);
-            // Registering the exit hook may allocate; those allocations see `BINDING` and take the
-            // lock (which is not held here).
-            if !tcache::register_exit_flush() {
-                tc.owner.set(tcache::DEAD);
-                return None;
-            }
-            let me = self as *const GlobalBfc as usize;
-            let p = self.with_heap(|h| {
-                h.register(tc);
-                tc.owner.set(h.id);
-                tc.instance.set(me);
-                tc.arena.set(h.small.arena());
-                tc.arena_len.set(h.arena_end - h.small.arena());
-                h.refill_cache(tc, c)
-            });
-            if p.is_none() {
-                tc.owner.set(tcache::UNBOUND);
-            }
-            p
-        })
-        .flatten();
+        let from_cache =
+            tcache::with(|tc| self.with_bound_cache(tc, |h| h.refill_cache(tc, c))).flatten();
         match from_cache {
             Some(p) => p,
-            None => self.alloc_locked(size, 16),
+            None => self.alloc_locked(small::class_size(c), 16),
         }
     }
 
-    /// A small free the cache's fast path declined: the list is full, or the pointer needs checking.
+    /// A small free the cache's fast path declined: the list is full, the pointer needs checking,
+    /// or the cache is not bound yet (a thread that only frees binds here).
     #[cfg(feature = "std")]
     #[cold]
     #[inline(never)]
     fn free_small_slow(&self, ptr: *mut u8, c: usize) {
-        let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
         let done = tcache::with(|tc| {
-            if tc.owner.get() != id {
-                return false;
-            }
-            self.with_heap(|h| h.free_to_cache(tc, c, ptr as usize))
+            self.with_bound_cache(tc, |h| h.free_to_cache(tc, c, ptr as usize))
                 .is_some()
         });
         if done != Some(true) {
             self.free_locked(ptr);
         }
+    }
+
+    /// Runs `f` under the lock if the calling thread's cache `tc` is bound to this allocator,
+    /// binding it first if it is unbound or its instance was dropped. `None` (nothing run) if the
+    /// cache serves another live instance, the thread is exiting, caches are off, or the arena is
+    /// unavailable.
+    #[cfg(feature = "std")]
+    fn with_bound_cache<R>(&self, tc: &ThreadCache, f: impl FnOnce(&mut Heap) -> R) -> Option<R> {
+        let owner = tc.owner.get();
+        if owner == self.id.load(core::sync::atomic::Ordering::Relaxed) {
+            return self.with_heap(f);
+        }
+        let orphaned = tc.is_bound() && tc.orphaned.load(crate::sync::Ordering::Relaxed);
+        if !self.config.thread_cache || !(owner == tcache::UNBOUND || orphaned) {
+            return None;
+        }
+        if orphaned {
+            // The instance it served was dropped: its blocks went with its arena.
+            tc.forget();
+        }
+        tc.owner.set(tcache::BINDING);
+        // Registering the exit hook may allocate; those calls see `BINDING` and take the lock
+        // (which is not held here).
+        if !tcache::register_exit_flush() {
+            tc.owner.set(tcache::DEAD);
+            return None;
+        }
+        let me = self as *const GlobalBfc as usize;
+        let r = self.with_heap(|h| {
+            h.register(tc);
+            tc.owner.set(h.id);
+            tc.instance.set(me);
+            tc.arena.set(h.small.arena());
+            tc.arena_len.set(h.arena_end - h.small.arena());
+            f(h)
+        });
+        if r.is_none() {
+            tc.owner.set(tcache::UNBOUND);
+        }
+        r
     }
 }
 
