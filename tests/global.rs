@@ -358,6 +358,8 @@ fn child_entry() {
                 dealloc(p, l);
                 A.flush_thread_cache();
                 dealloc(std::hint::black_box(p), l);
+                // The second free went into the cache unchecked; it is caught when it leaves.
+                A.flush_thread_cache();
             }
             #[cfg(feature = "std")]
             "wrong_layout" => {

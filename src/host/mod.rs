@@ -18,7 +18,7 @@
 //!
 //! In front of the slab layer each thread keeps bounded per-class lists of free small blocks, so most
 //! small allocations and frees take no lock (see `tcache.rs` for the protocol):
-//! - at most [`MAX_CACHED_BYTES`] (460 KiB) per thread; half a list moves per lock acquisition;
+//! - at most [`MAX_CACHED_BYTES`] (429 KiB) per thread; half a list moves per lock acquisition;
 //! - a block freed on another thread joins that thread's cache;
 //! - a thread's cache is flushed when the thread exits, and on demand by
 //!   [`GlobalBfc::flush_thread_cache`] (and [`GlobalBfc::release_free_memory`]);
@@ -859,10 +859,7 @@ unsafe impl GlobalAlloc for GlobalBfc {
         if let Some(c) = small::class_for(layout.size(), layout.align()) {
             let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
             let done = tcache::with(|tc| {
-                tc.owner.get() == id
-                    // SAFETY: forwarded contract: `ptr` came from this allocator with a layout of
-                    // class `c`, and the cache is bound to this allocator.
-                    && matches!(unsafe { tc.push(c, ptr as usize) }, tcache::Push::Done)
+                tc.owner.get() == id && matches!(tc.push(c, ptr as usize), tcache::Push::Done)
             });
             if done != Some(true) {
                 self.free_small_slow(ptr, c);
@@ -920,14 +917,16 @@ unsafe impl GlobalAlloc for GlobalBfc {
 
 impl GlobalBfc {
     /// An allocation under the lock.
-    #[inline]
+    // Out of line, so the small fast paths it sits beside need no stack frame.
+    #[inline(never)]
     fn alloc_locked(&self, size: usize, align: usize) -> *mut u8 {
         self.with_heap(|h| h.allocate(size, align))
             .unwrap_or(ptr::null_mut())
     }
 
     /// A free under the lock.
-    #[inline]
+    // Out of line, so the small fast paths it sits beside need no stack frame.
+    #[inline(never)]
     fn free_locked(&self, ptr: *mut u8) {
         if self.with_heap(|h| h.free(ptr)).is_none() {
             os::fatal(format_args!(
@@ -1126,8 +1125,7 @@ impl Heap {
             if first == 0 {
                 first = p;
             } else {
-                // SAFETY: a fresh block of class `c`, now owned by the cache.
-                unsafe { tc.fill(c, p) };
+                tc.fill(c, p);
             }
         }
         if first != 0 {
@@ -1163,15 +1161,13 @@ impl Heap {
     fn free_to_cache(&mut self, tc: &ThreadCache, c: usize, p: usize) {
         match self.small.class_of_live(p) {
             Ok(Some(k)) if k == c => {
-                // SAFETY: a live object of class `c` (at least 16 bytes) that the caller frees.
-                if unsafe { ThreadCache::has_key(p) } && tc.contains(c, p) {
+                if tc.contains(c, p) {
                     small_error(p, SmallFree::DoubleFree, "");
                 }
                 if tc.count(c) >= tcache::bin_capacity(c) {
                     self.flush_bin(tc, c, tcache::batch(c));
                 }
-                // SAFETY: as above; the block now belongs to the cache.
-                unsafe { tc.fill(c, p) };
+                tc.fill(c, p);
             }
             // Not a live small block of class `c`: the pointer-based free reports a bad pointer, or
             // frees a block whose layout named another class.

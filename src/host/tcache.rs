@@ -1,37 +1,40 @@
 //! Per-thread caches of small blocks (`std` builds).
 //!
-//! Each thread has one [`ThreadCache`]: for every small size class, a LIFO list of free blocks linked
-//! through their first word. An allocation or free that the list can serve touches only the thread's
-//! own cache and the block: no lock, no atomic read-modify-write, no shared cache line. The heap lock
-//! is taken only to move a batch of blocks between the cache and the slab layer:
+//! Each thread has one [`ThreadCache`]: for every small size class, a stack of pointers to free
+//! blocks, kept in the thread's own storage. An allocation or free that the stack can serve touches
+//! only the thread's cache: no lock, no atomic read-modify-write, no shared cache line, and not the
+//! block itself (a freed block's memory is never written, so freeing a block that fell out of the CPU
+//! cache costs no cache miss). The heap lock is taken only to move a batch of blocks between the cache
+//! and the slab layer:
 //!
-//! - an empty list is refilled with half its capacity;
-//! - a full list gives half its blocks back, each checked by the slab layer (live, an object start,
-//!   of the list's class), so a block that was freed twice or with the wrong layout is reported there;
+//! - an empty stack is refilled with half its capacity;
+//! - a full stack gives half its blocks back, each checked by the slab layer (live, an object start,
+//!   of the stack's class), so a block that was freed twice or with the wrong layout is reported there;
 //! - a thread's whole cache goes back when the thread exits;
 //! - [`GlobalBfc::flush_thread_cache`](super::GlobalBfc::flush_thread_cache) empties it on demand.
 //!
 //! **Cross-thread frees** need no protocol: a block freed by another thread simply joins that thread's
-//! cache (as in tcmalloc), and every list only ever holds blocks of its own class. The slab layer, not
-//! the cache, remembers which span a block belongs to.
+//! cache (as in tcmalloc and jemalloc), and every stack only ever holds blocks of its own class. The
+//! slab layer, not the cache, remembers which span a block belongs to.
 //!
-//! **Bounds.** A class's list holds at most [`bin_capacity`] blocks (about 16 KiB of blocks, at least
-//! 8 and at most 256 of them), so one thread caches at most [`MAX_CACHED_BYTES`] (460 KiB).
+//! **Bounds.** A class's stack holds at most [`bin_capacity`] blocks (about 16 KiB of blocks, at least
+//! 8 and at most 128 of them), so one thread caches at most [`MAX_CACHED_BYTES`] (429 KiB). The stacks
+//! take 13 KiB of thread-local storage per thread.
 //!
-//! **Double frees.** A cached block carries a per-process key in its second word. A free that finds
-//! the key searches the thread's list for the block (a double free there aborts) and otherwise
-//! defers to the slab layer under the lock, which aborts if the block is not live. A block freed twice
-//! into two different threads' caches is only caught when one of them is flushed.
+//! **Double frees.** A free of the block on top of its stack (a block freed twice in a row on one
+//! thread) is caught at once. Any other double free is caught when the cache gives the block back to
+//! the slab layer (a flush, thread exit or `flush_thread_cache`); until then the block may be handed
+//! out twice, as with jemalloc's and tcmalloc's thread caches.
 //!
-//! **Binding.** A cache serves one allocator instance: the first one that allocates a small block on
-//! the thread, identified by a process-unique id (never an address, which a dropped instance's
-//! successor could reuse). Other instances take the locked path on that thread. Every bound cache is
-//! on its instance's registry (under the heap lock), which is how `stats()` subtracts cached blocks and
-//! how dropping an instance marks its caches orphaned, after which they forget their blocks and may bind
-//! again. Thread exit and instance drop serialise on one process-wide lock, so an exiting thread never
-//! flushes into an instance that is being dropped.
+//! **Binding.** A cache serves one allocator instance: the first one that allocates or frees a small
+//! block on the thread, identified by a process-unique id (never an address, which a dropped
+//! instance's successor could reuse). Other instances take the locked path on that thread. Every bound
+//! cache is on its instance's registry (under the heap lock), which is how `stats()` subtracts cached
+//! blocks and how dropping an instance marks its caches orphaned, after which they forget their blocks
+//! and may bind again. Thread exit and instance drop serialise on one process-wide lock, so an exiting
+//! thread never flushes into an instance that is being dropped.
 //!
-//! The list heads are `Cell`s (the owner thread alone reads and writes them). The counts are atomics
+//! The stacks are `Cell`s (the owner thread alone reads and writes them). The counts are atomics
 //! written only by the owner (a plain store, not a read-modify-write) so `stats()` may read them from
 //! any thread.
 
@@ -54,18 +57,45 @@ pub(crate) const DEAD: usize = usize::MAX - 2;
 /// Target bytes of blocks in one class's list.
 const BIN_BYTES: usize = 16 << 10;
 
-/// Most blocks class `c`'s list holds: about [`BIN_BYTES`] of them, between 8 and 256.
+/// Most blocks one class's stack holds.
+const MAX_BIN: usize = 128;
+
+/// Most blocks class `c`'s stack holds: about [`BIN_BYTES`] of them, between 8 and [`MAX_BIN`].
 #[inline(always)]
 pub(crate) const fn bin_capacity(c: usize) -> usize {
-    let n = BIN_BYTES / class_size(c);
-    if n < 8 {
-        8
-    } else if n > 256 {
-        256
-    } else {
-        n
-    }
+    CAPACITY[c] as usize
 }
+
+/// [`bin_capacity`] by class (a table: the fast paths must not divide).
+const CAPACITY: [u8; NUM_CLASSES] = {
+    let mut cap = [0u8; NUM_CLASSES];
+    let mut c = 0;
+    while c < NUM_CLASSES {
+        let n = BIN_BYTES / class_size(c);
+        cap[c] = if n < 8 {
+            8
+        } else if n > MAX_BIN {
+            MAX_BIN as u8
+        } else {
+            n as u8
+        };
+        c += 1;
+    }
+    cap
+};
+
+/// `OFFSET[c]` is where class `c`'s stack starts in [`ThreadCache::slots`]; `OFFSET[NUM_CLASSES]` is
+/// the total.
+const OFFSET: [usize; NUM_CLASSES + 1] = {
+    let mut o = [0; NUM_CLASSES + 1];
+    let mut c = 0;
+    while c < NUM_CLASSES {
+        o[c + 1] = o[c] + bin_capacity(c);
+        c += 1;
+    }
+    o
+};
+const SLOTS: usize = OFFSET[NUM_CLASSES];
 
 /// Most bytes one thread's cache holds (the sum of every class's capacity times its size).
 pub const MAX_CACHED_BYTES: usize = {
@@ -84,45 +114,12 @@ pub(crate) const fn batch(c: usize) -> usize {
     bin_capacity(c) / 2
 }
 
-/// The key stored in a cached block's second word: an address that varies with ASLR, scrambled.
-#[inline(always)]
-fn key() -> usize {
-    static ANCHOR: u8 = 0;
-    (&ANCHOR as *const u8 as usize).rotate_left(23) ^ 0x5bd1_e995_2f0a_3c6d_u64 as usize
-}
-
-struct Bin {
-    /// First free block (0 for none); each block's first word holds the next.
-    head: Cell<usize>,
-    /// Blocks on the list (written by the owner thread only).
-    count: AtomicU32,
-}
-
-impl Bin {
-    const fn new() -> Self {
-        Bin {
-            head: Cell::new(0),
-            count: AtomicU32::new(0),
-        }
-    }
-
-    #[inline(always)]
-    fn count(&self) -> usize {
-        self.count.load(CountOrdering::Relaxed) as usize
-    }
-
-    #[inline(always)]
-    fn set_count(&self, n: usize) {
-        self.count.store(n as u32, CountOrdering::Relaxed);
-    }
-}
-
 /// What a free into the cache did.
 pub(crate) enum Push {
     /// The block is on the list.
     Done,
-    /// Take the slow path: the list is full, or the block is not plainly a small block of the
-    /// instance, or it carries the cache key without being on this list.
+    /// Take the slow path: the stack is full, the block is not plainly a small block of the
+    /// instance, or it is the block on top of the stack (freed twice in a row).
     Slow,
 }
 
@@ -140,7 +137,12 @@ pub(crate) struct ThreadCache {
     /// Registry links (addresses of other caches bound to the same instance), under its heap lock.
     pub(crate) prev: AtomicUsize,
     pub(crate) next: AtomicUsize,
-    bins: [Bin; NUM_CLASSES],
+    /// Blocks on each class's stack. Statistics for other threads: written by the owner with plain
+    /// stores and summed by `stats()`; no ordering is relied on, so loom need not model them
+    /// (modelling them would make every cached block a scheduling point).
+    counts: [AtomicU32; NUM_CLASSES],
+    /// The stacks: class `c`'s is `slots[OFFSET[c]..OFFSET[c] + counts[c]]`, top last.
+    slots: [Cell<usize>; SLOTS],
 }
 
 impl ThreadCache {
@@ -154,7 +156,8 @@ impl ThreadCache {
             orphaned: AtomicBool::new(false),
             prev: AtomicUsize::new(0),
             next: AtomicUsize::new(0),
-            bins: [const { Bin::new() }; NUM_CLASSES],
+            counts: [const { AtomicU32::new(0) }; NUM_CLASSES],
+            slots: [const { Cell::new(0) }; SLOTS],
         }
     }
 
@@ -168,7 +171,8 @@ impl ThreadCache {
             orphaned: AtomicBool::new(false),
             prev: AtomicUsize::new(0),
             next: AtomicUsize::new(0),
-            bins: core::array::from_fn(|_| Bin::new()),
+            counts: [const { AtomicU32::new(0) }; NUM_CLASSES],
+            slots: [const { Cell::new(0) }; SLOTS],
         }
     }
 
@@ -178,45 +182,51 @@ impl ThreadCache {
         self.owner.get() < DEAD
     }
 
+    /// Blocks on class `c`'s stack (any thread).
+    #[inline(always)]
+    pub(crate) fn count(&self, c: usize) -> usize {
+        self.counts[c].load(CountOrdering::Relaxed) as usize
+    }
+
+    #[inline(always)]
+    fn set_count(&self, c: usize, n: usize) {
+        self.counts[c].store(n as u32, CountOrdering::Relaxed);
+    }
+
+    /// Slot `i` of class `c`'s stack.
+    #[inline(always)]
+    fn slot(&self, c: usize, i: usize) -> &Cell<usize> {
+        debug_assert!(i < bin_capacity(c));
+        // SAFETY: `i < bin_capacity(c)` (callers index below the count, which never exceeds the
+        // capacity, or at the count when it is below the capacity), so the index is inside class
+        // `c`'s part of `slots`.
+        unsafe { self.slots.get_unchecked(OFFSET[c] + i) }
+    }
+
     /// Pops a block of class `c` (owner thread only).
     #[inline(always)]
     pub(crate) fn pop(&self, c: usize) -> Option<usize> {
-        let bin = &self.bins[c];
-        let head = bin.head.get();
-        if head == 0 {
+        let n = self.count(c);
+        if n == 0 {
             return None;
         }
-        // SAFETY: blocks on the list are free blocks of at least 16 bytes that the cache owns; the
-        // first word links the list and the second holds the key, cleared so the caller's data
-        // cannot carry it by accident.
-        unsafe {
-            bin.head.set(*(head as *const usize));
-            *(head as *mut usize).add(1) = 0;
-        }
-        bin.set_count(bin.count() - 1);
-        Some(head)
+        let p = self.slot(c, n - 1).get();
+        self.set_count(c, n - 1);
+        Some(p)
     }
 
     /// Pushes a block the caller frees, unless the slow path must see it (owner thread only).
-    ///
-    /// # Safety
-    /// `p` was allocated by the bound instance with a layout of class `c`, and is not used again.
     #[inline(always)]
-    pub(crate) unsafe fn push(&self, c: usize, p: usize) -> Push {
-        let bin = &self.bins[c];
-        let n = bin.count();
-        if n >= bin_capacity(c) || !self.plausible(c, p) {
+    pub(crate) fn push(&self, c: usize, p: usize) -> Push {
+        let n = self.count(c);
+        if n >= bin_capacity(c)
+            || !self.plausible(c, p)
+            || (n > 0 && self.slot(c, n - 1).get() == p)
+        {
             return Push::Slow;
         }
-        let key = key();
-        // SAFETY: `p` is an object start of class `c` (at least 16 bytes) in the arena, freed by the
-        // caller (see the contract).
-        if unsafe { *(p as *const usize).add(1) } == key {
-            return Push::Slow;
-        }
-        // SAFETY: as above; the block now belongs to the cache.
-        unsafe { self.link(bin, p, key) };
-        bin.set_count(n + 1);
+        self.slot(c, n).set(p);
+        self.set_count(c, n + 1);
         Push::Done
     }
 
@@ -228,71 +238,35 @@ impl ThreadCache {
         offset < self.arena_len.get() && super::small::is_object_start(offset & (SPAN - 1), c)
     }
 
-    /// # Safety
-    /// `p` is a free block of at least 16 bytes that the cache now owns.
-    #[inline(always)]
-    unsafe fn link(&self, bin: &Bin, p: usize, key: usize) {
-        // SAFETY: see the contract.
-        unsafe {
-            *(p as *mut usize) = bin.head.get();
-            *(p as *mut usize).add(1) = key;
-        }
-        bin.head.set(p);
-    }
-
     /// Adds a block without checks (a refill from the slab layer, or a slow-path free that was
-    /// checked under the lock).
-    ///
-    /// # Safety
-    /// `p` is a free block of class `c` that the cache now owns.
-    pub(crate) unsafe fn fill(&self, c: usize, p: usize) {
-        let bin = &self.bins[c];
-        // SAFETY: see the contract.
-        unsafe { self.link(bin, p, key()) };
-        bin.set_count(bin.count() + 1);
+    /// checked under the lock). The stack must have room.
+    pub(crate) fn fill(&self, c: usize, p: usize) {
+        let n = self.count(c);
+        assert!(n < bin_capacity(c), "thread cache overfilled");
+        self.slot(c, n).set(p);
+        self.set_count(c, n + 1);
     }
 
-    /// Calls `f` on the blocks of class `c`'s list (owner thread only; stops after one more block
-    /// than the capacity, so a corrupted, cyclic list still ends).
+    /// Calls `f` on the blocks of class `c`'s stack (owner thread only).
     pub(crate) fn walk(&self, c: usize, mut f: impl FnMut(usize)) {
-        let mut cur = self.bins[c].head.get();
-        let mut steps = 0;
-        while cur != 0 && steps <= bin_capacity(c) {
-            f(cur);
-            // SAFETY: list blocks are owned by the cache; their first word is the link.
-            cur = unsafe { *(cur as *const usize) };
-            steps += 1;
+        for i in 0..self.count(c) {
+            f(self.slot(c, i).get());
         }
     }
 
-    /// Whether `p` is on class `c`'s list (owner thread only).
+    /// Whether `p` is on class `c`'s stack (owner thread only).
     pub(crate) fn contains(&self, c: usize, p: usize) -> bool {
         let mut found = false;
         self.walk(c, |q| found |= q == p);
         found
     }
 
-    /// Whether `p` carries the cache key in its second word.
-    ///
-    /// # Safety
-    /// `p` is a block of at least 16 bytes the caller may read.
-    pub(crate) unsafe fn has_key(p: usize) -> bool {
-        // SAFETY: see the contract.
-        unsafe { *(p as *const usize).add(1) == key() }
-    }
-
-    /// Blocks on class `c`'s list (any thread).
-    #[inline]
-    pub(crate) fn count(&self, c: usize) -> usize {
-        self.bins[c].count()
-    }
-
     /// `(bytes, blocks)` held (any thread: reads the counts only).
     pub(crate) fn held(&self) -> (usize, usize) {
         let mut bytes = 0;
         let mut blocks = 0;
-        for (c, bin) in self.bins.iter().enumerate() {
-            let n = bin.count();
+        for c in 0..NUM_CLASSES {
+            let n = self.count(c);
             bytes += n * class_size(c);
             blocks += n;
         }
@@ -301,9 +275,8 @@ impl ThreadCache {
 
     /// Forgets every block (their instance is gone) and unbinds.
     pub(crate) fn forget(&self) {
-        for bin in &self.bins {
-            bin.head.set(0);
-            bin.set_count(0);
+        for c in 0..NUM_CLASSES {
+            self.set_count(c, 0);
         }
         self.owner.set(UNBOUND);
         self.orphaned.store(false, Ordering::Relaxed);
@@ -374,11 +347,12 @@ mod tests {
     fn capacities_follow_the_documented_bounds() {
         for c in 0..NUM_CLASSES {
             let n = bin_capacity(c);
-            assert!((8..=256).contains(&n), "class {c}: {n}");
+            assert!((8..=MAX_BIN).contains(&n), "class {c}: {n}");
             assert!(n * class_size(c) <= BIN_BYTES.max(8 * class_size(c)));
             assert!(batch(c) >= 4);
         }
         // The figure the module docs and the README quote.
-        assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 460);
+        assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 429);
+        assert_eq!((SLOTS * 8).div_ceil(1024), 13);
     }
 }

@@ -1,0 +1,6 @@
+#[global_allocator]
+static A: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+fn main() {
+    bench_peers::main();
+}

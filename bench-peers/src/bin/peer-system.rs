@@ -1,0 +1,6 @@
+#[global_allocator]
+static A: std::alloc::System = std::alloc::System;
+
+fn main() {
+    bench_peers::main();
+}

@@ -1,0 +1,224 @@
+//! The workloads, shared by every `peer-*` binary. Each binary installs one allocator as the
+//! process's `#[global_allocator]` and calls [`main`], which runs the workload named by `argv[1]` and
+//! prints `<workload> <time per unit> <peak RSS KiB>`.
+
+use std::alloc::{alloc, dealloc, Layout};
+use std::hint::black_box;
+use std::sync::{mpsc, Arc, Barrier};
+use std::time::Instant;
+
+/// The workloads, their units, in table order.
+pub const WORKLOADS: &[(&str, &str)] = &[
+    ("churn", "ns/step"),
+    ("pairs", "ns/pair"),
+    ("vec", "ns/push"),
+    ("large", "ns/step"),
+    ("churn2", "ns/step/thread"),
+    ("churn4", "ns/step/thread"),
+    ("xfree", "ns/object"),
+    ("json", "ms/round"),
+];
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // splitmix64
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Log-uniform in `lo..=hi`.
+    fn log_size(&mut self, lo: usize, hi: usize) -> usize {
+        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
+        let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
+        ((a + u * (b - a)).exp() as usize).clamp(lo, hi)
+    }
+}
+
+fn layout(size: usize) -> Layout {
+    Layout::from_size_align(size, 8).unwrap()
+}
+
+/// Allocates `size` bytes and writes the first byte.
+fn get(size: usize) -> *mut u8 {
+    // SAFETY: a non-zero layout.
+    let p = unsafe { alloc(layout(size)) };
+    assert!(!p.is_null(), "out of memory");
+    // SAFETY: the block holds at least one byte.
+    unsafe { p.write(size as u8) };
+    black_box(p)
+}
+
+fn put(p: *mut u8, size: usize) {
+    // SAFETY: `p` came from `get(size)` and is freed once.
+    unsafe { dealloc(p, layout(size)) };
+}
+
+/// Random replacement in a live set of `live` blocks of log-uniform sizes: ns per step.
+fn churn(
+    seed: u64,
+    live: usize,
+    lo: usize,
+    hi: usize,
+    steps: usize,
+    start: Option<&Barrier>,
+) -> f64 {
+    let mut rng = Rng(seed);
+    let mut slots: Vec<(*mut u8, usize)> = (0..live)
+        .map(|_| {
+            let s = rng.log_size(lo, hi);
+            (get(s), s)
+        })
+        .collect();
+    if let Some(b) = start {
+        b.wait();
+    }
+    let t = Instant::now();
+    for _ in 0..steps {
+        let i = (rng.next() % live as u64) as usize;
+        let (p, s) = slots[i];
+        put(p, s);
+        let s = rng.log_size(lo, hi);
+        slots[i] = (get(s), s);
+    }
+    let ns = t.elapsed().as_nanos() as f64 / steps as f64;
+    for (p, s) in slots {
+        put(p, s);
+    }
+    ns
+}
+
+fn pairs(n: usize) -> f64 {
+    let t = Instant::now();
+    for _ in 0..n {
+        put(get(32), 32);
+    }
+    t.elapsed().as_nanos() as f64 / n as f64
+}
+
+fn vec_growth(rounds: usize, len: usize) -> f64 {
+    let t = Instant::now();
+    for r in 0..rounds {
+        let mut v: Vec<u64> = Vec::new();
+        for i in 0..len {
+            v.push(i as u64 ^ r as u64);
+        }
+        black_box(&v);
+    }
+    t.elapsed().as_nanos() as f64 / (rounds * len) as f64
+}
+
+fn threaded_churn(threads: usize, steps: usize) -> f64 {
+    let start = Arc::new(Barrier::new(threads));
+    let hs: Vec<_> = (0..threads)
+        .map(|t| {
+            let start = start.clone();
+            std::thread::spawn(move || churn(7 + t as u64, 10_000, 8, 4096, steps, Some(&start)))
+        })
+        .collect();
+    let per_thread: Vec<f64> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+    per_thread.iter().sum::<f64>() / threads as f64
+}
+
+/// One producer allocates, one consumer frees: ns per object (wall time / objects).
+fn cross_thread_free(objects: usize) -> f64 {
+    const BATCH: usize = 256;
+    let (tx, rx) = mpsc::sync_channel::<Vec<(usize, usize)>>(16);
+    let t = Instant::now();
+    let producer = std::thread::spawn(move || {
+        let mut rng = Rng(11);
+        for _ in 0..objects / BATCH {
+            let batch: Vec<(usize, usize)> = (0..BATCH)
+                .map(|_| {
+                    let s = rng.log_size(8, 512);
+                    (get(s) as usize, s)
+                })
+                .collect();
+            tx.send(batch).unwrap();
+        }
+    });
+    let consumer = std::thread::spawn(move || {
+        for batch in rx {
+            for (p, s) in batch {
+                put(p as *mut u8, s);
+            }
+        }
+    });
+    producer.join().unwrap();
+    consumer.join().unwrap();
+    t.elapsed().as_nanos() as f64 / objects as f64
+}
+
+/// A JSON document of about 15 MB: objects with strings, numbers and nested arrays.
+fn json_document() -> String {
+    let mut s = String::from("[");
+    for i in 0..80_000u64 {
+        if i > 0 {
+            s.push(',');
+        }
+        s.push_str(&format!(
+            "{{\"id\":{i},\"name\":\"user-{i:08x}\",\"email\":\"user{i}@example.com\",\
+             \"score\":{}.{:03},\"tags\":[\"t{}\",\"t{}\",\"t{}\"],\
+             \"pos\":{{\"x\":{},\"y\":{},\"path\":[{},{},{},{}]}},\"active\":{}}}",
+            i % 1000,
+            i % 997,
+            i % 7,
+            i % 11,
+            i % 13,
+            i * 3,
+            i * 5,
+            i,
+            i + 1,
+            i + 2,
+            i + 3,
+            i % 2 == 0
+        ));
+    }
+    s.push(']');
+    s
+}
+
+fn json(rounds: usize) -> f64 {
+    let doc = json_document();
+    let t = Instant::now();
+    for _ in 0..rounds {
+        let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
+        let out = serde_json::to_string(&v).unwrap();
+        assert!(out.len() > doc.len() / 2);
+        black_box(out);
+    }
+    t.elapsed().as_secs_f64() * 1e3 / rounds as f64
+}
+
+/// Peak resident set (VmHWM) in KiB.
+fn peak_rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Runs the workload named by `argv[1]` and prints its line.
+pub fn main() {
+    let name = std::env::args()
+        .nth(1)
+        .expect("usage: peer-<allocator> <workload>");
+    let value = match name.as_str() {
+        "churn" => churn(1, 10_000, 8, 4096, 3_000_000, None),
+        "pairs" => pairs(30_000_000),
+        "vec" => vec_growth(64, 1 << 20),
+        "large" => churn(3, 64, 64 << 10, 16 << 20, 40_000, None),
+        "churn2" => threaded_churn(2, 2_000_000),
+        "churn4" => threaded_churn(4, 1_000_000),
+        "xfree" => cross_thread_free(2_000_000),
+        "json" => json(3),
+        other => panic!("unknown workload {other}"),
+    };
+    println!("{name} {value:.3} {}", peak_rss_kib());
+}
