@@ -42,6 +42,10 @@ const IN_USE: usize = 1;
 /// Bit 1: the chunk sits in a quick list. Such a chunk also has [`IN_USE`] set, so neighbours never
 /// merge with it and it is in no bin; to callers it is free.
 const CACHED: usize = 2;
+/// Bit 1 of a *free* chunk (no [`IN_USE`]): the chunk was free and unchanged at the last
+/// [`Bfc::sweep_dirty`](super::Bfc::sweep_dirty), so the next one may return its pages. Cleared like
+/// [`CLEAN`].
+const AGED: usize = 2;
 /// Bit 2: a free chunk whose whole pages the memory's owner has already returned to the OS (see
 /// [`Bfc::sweep_dirty`](super::Bfc::sweep_dirty)). Cleared when the chunk is handed out or merged with
 /// a chunk that is not clean; kept by both halves of a split.
@@ -104,7 +108,7 @@ impl Chunk {
     /// Whether the chunk is held in a quick list (free to callers, not yet coalesced).
     #[inline]
     pub fn cached(&self) -> bool {
-        self.size_flags & CACHED != 0
+        self.size_flags & (IN_USE | CACHED) == IN_USE | CACHED
     }
 
     /// Whether the chunk is handed out to a caller.
@@ -134,6 +138,18 @@ impl Chunk {
     #[inline]
     pub(crate) fn set_clean(&mut self, clean: bool) {
         self.size_flags = (self.size_flags & !CLEAN) | if clean { CLEAN } else { 0 };
+    }
+
+    /// Whether the chunk is free and was already free and unchanged at the last sweep.
+    #[inline]
+    pub fn aged(&self) -> bool {
+        self.size_flags & (IN_USE | AGED) == AGED
+    }
+
+    #[inline]
+    pub(crate) fn set_aged(&mut self, aged: bool) {
+        debug_assert!(!self.in_use());
+        self.size_flags = (self.size_flags & !AGED) | if aged { AGED } else { 0 };
     }
 
     #[inline]

@@ -587,8 +587,17 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
     /// Calls `f(ptr, size)` for every free chunk of at least `min_size` bytes that is not marked clean,
     /// then marks it clean. The engine only keeps the flag: a caller that returns a chunk's pages to
     /// the OS in `f` can skip it next time. A chunk loses the mark when handed out or merged with a
-    /// chunk that has none (a freshly freed one). Returns the number of chunks visited.
-    pub fn sweep_dirty(&mut self, min_size: usize, mut f: impl FnMut(usize, usize)) -> usize {
+    /// chunk that has none (a freshly freed one). Returns the number of chunks passed to `f`.
+    ///
+    /// With `aging`, a chunk is passed to `f` only if it was already free and unchanged at the
+    /// previous aging sweep; chunks seen for the first time are only marked, so memory that is
+    /// freed and soon allocated again keeps its pages (a decay in steps of sweeps).
+    pub fn sweep_dirty(
+        &mut self,
+        min_size: usize,
+        aging: bool,
+        mut f: impl FnMut(usize, usize),
+    ) -> usize {
         let min_g = (min_size >> self.granule_shift).max(1);
         let mut b = bin_for(min_g);
         let mut n = 0;
@@ -597,10 +606,14 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
             while let Some(h) = cur {
                 let c = self.table.get_mut(h);
                 if c.size() >= min_size && !c.clean() {
-                    c.set_clean(true);
-                    let (ptr, size) = (c.ptr(), c.size());
-                    f(ptr, size);
-                    n += 1;
+                    if aging && !c.aged() {
+                        c.set_aged(true);
+                    } else {
+                        c.set_clean(true);
+                        let (ptr, size) = (c.ptr(), c.size());
+                        f(ptr, size);
+                        n += 1;
+                    }
                 }
                 cur = self.table.get(h).free_next;
             }
@@ -799,6 +812,9 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         rest.ptr = c.ptr() + offset;
         rest.set_size(c.size() - offset);
         rest.set_clean(c.clean());
+        if !c.in_use() {
+            rest.set_aged(c.aged());
+        }
         rest.prev = Some(h);
         rest.next = c.next;
         let n = self.table.alloc(rest)?;
@@ -829,6 +845,10 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         c.set_size(size);
         let clean = c.clean() && nc.clean();
         c.set_clean(clean);
+        if !c.in_use() {
+            let aged = c.aged() && nc.aged();
+            c.set_aged(aged);
+        }
         self.table.free(n);
     }
 

@@ -458,3 +458,42 @@ fn quick_lists_reuse_exact_sizes_and_stay_bounded() {
     assert_eq!(b.stats().bytes_cached, 0);
     free(&mut b, all);
 }
+
+#[test]
+fn aging_sweeps_return_only_chunks_that_stayed_free() {
+    let mut b = engine(Config::device(1 << 30));
+    let mb = 1 << 20;
+    let keep = [
+        alloc(&mut b, mb, 1),
+        alloc(&mut b, mb, 1),
+        alloc(&mut b, mb, 1),
+    ];
+    let (x, y) = (alloc(&mut b, mb, 1), alloc(&mut b, mb, 1));
+    let _guard = alloc(&mut b, mb, 1);
+    free(&mut b, keep[0]); // free, separated from x by keep[1]
+    free(&mut b, x);
+    let swept = |b: &mut Sim, aging: bool| {
+        let mut v = Vec::new();
+        b.sweep_dirty(mb, aging, |p, s| v.push((p, s)));
+        checked(b);
+        v
+    };
+    // First aging sweep: only marks (the free top chunk too).
+    assert!(swept(&mut b, true).is_empty());
+    // `keep[0]` stays free; `x`'s chunk is allocated again and freed: it changed.
+    let x2 = alloc(&mut b, mb, 1);
+    assert_eq!(x2, x);
+    free(&mut b, x2);
+    let second = swept(&mut b, true);
+    assert!(second.contains(&(keep[0], mb)), "{second:?}");
+    assert!(!second.iter().any(|&(p, _)| p == x), "{second:?}");
+    // `x` is returned by the next aging sweep, or at once without aging; nothing is returned twice.
+    free(&mut b, y);
+    let third = swept(&mut b, false);
+    assert!(
+        third.iter().any(|&(p, s)| p == x && s == 2 * mb),
+        "{third:?}"
+    );
+    assert!(!third.iter().any(|&(p, _)| p == keep[0]), "{third:?}");
+    assert!(swept(&mut b, false).is_empty());
+}

@@ -33,6 +33,40 @@
 //! # Giving memory back
 //!
 //! With `T` = [`HostConfig::release_threshold`], pages go back to the kernel
+//! (`madvise(MADV_DONTNEED)`) as follows. `R`, the retained amount, starts at `T` and grows to twice
+//! the largest block freed so far (up to 64 MiB; blocks of 64 MiB or more do not count), like glibc's
+//! dynamic thresholds.
+//! - The free top of the arena keeps `R` bytes of touched memory and returns the rest once more than
+//!   `2R` of it were touched.
+//! - A single freed block of 64 MiB or more (and at least `16T`) returns its pages at once.
+//! - Elsewhere, blocks freed into free chunks of at least `T` bytes are counted. Once the count
+//!   reaches the bytes in use (and at least `16T` and `2R`), a sweep runs. It returns the pages of the
+//!   free chunks that were already free and unchanged at the previous sweep, and marks the others.
+//!   So memory a program frees and allocates again in cycles keeps its pages, and memory that stays
+//!   free goes back within two sweeps (a decay counted in freed bytes, not time).
+//!
+//! Smaller free chunks keep their pages for reuse.
+//! [`GlobalBfc::release_free_memory`] returns every free page at once.
+//!
+//! # Thread caches (`std`)
+//!
+//! In front of the slab layer each thread keeps bounded per-class lists of free small blocks, so most
+//! small allocations and frees take no lock (see `tcache.rs` for the protocol):
+//! - at most [`MAX_CACHED_BYTES`] (429 KiB) per thread; half a list moves per lock acquisition;
+//! - a block freed on another thread joins that thread's cache;
+//! - a thread's cache is flushed when the thread exits, and on demand by
+//!   [`GlobalBfc::flush_thread_cache`] (and [`GlobalBfc::release_free_memory`]);
+//! - blocks leaving a cache are checked by the slab layer, and a block freed twice on one thread is
+//!   caught at the second free;
+//! - [`GlobalBfc::stats`] counts cached blocks as cached, not in use;
+//! - a thread's cache serves the first instance that uses it; other instances take the lock there.
+//!
+//! A small block is always freed with a layout of its own size class: `realloc` keeps a small block in
+//! place only within its class, and moves a large block that shrinks to a small size.
+//!
+//! # Giving memory back
+//!
+//! With `T` = [`HostConfig::release_threshold`], pages go back to the kernel
 //! (`madvise(MADV_DONTNEED)`):
 //! - the free top of the arena keeps `T` bytes of touched memory and returns the rest once more than
 //!   `2T` of it were touched;
@@ -201,6 +235,9 @@ struct Heap {
     /// Bytes freed into large interior free chunks since the last sweep without their pages being
     /// returned.
     dirty: usize,
+    /// Touched free bytes the policy retains (see the module docs): starts at `release_threshold`
+    /// and grows to twice the largest block freed, up to [`MAX_RETAIN`].
+    retain: usize,
     release_threshold: usize,
     /// Process-unique id (thread caches bound to this heap hold it).
     #[cfg(feature = "std")]
@@ -247,9 +284,13 @@ fn bindings() -> &'static SpinLock<()> {
 pub static LOOM_SKIP_DROP_BINDINGS: crate::sync::UnmodelledAtomicBool =
     crate::sync::UnmodelledAtomicBool::new(false);
 
-/// A sweep of large interior free chunks runs after this many thresholds of frees into them; a single
-/// freed block this large returns its pages at once.
+/// A sweep of large interior free chunks runs after this many thresholds of frees into them (or
+/// twice the retained amount, if more).
 const SWEEP_AFTER_THRESHOLDS: usize = 16;
+
+/// Most touched free memory the give-back policy retains for reuse; a single freed block at least
+/// this large returns its pages at once.
+const MAX_RETAIN: usize = 64 << 20;
 
 #[allow(
     clippy::large_enum_variant,
@@ -353,7 +394,7 @@ impl GlobalBfc {
     pub fn release_free_memory(&self) -> usize {
         #[cfg(feature = "std")]
         self.flush_thread_cache();
-        self.with_heap(|h| h.sweep(1)).unwrap_or(0)
+        self.with_heap(|h| h.sweep(1, false)).unwrap_or(0)
     }
 
     /// Returns the calling thread's cached small blocks to the heap (if its cache serves this
@@ -523,6 +564,7 @@ impl Heap {
             largest: 0,
             span_allocs: 0,
             dirty: 0,
+            retain: config.release_threshold,
             release_threshold: config.release_threshold,
             #[cfg(feature = "std")]
             id: NEXT_ID.fetch_add(1, core::sync::atomic::Ordering::Relaxed),
@@ -624,16 +666,25 @@ impl Heap {
     /// Applies the give-back policy (module docs) after `f` was released.
     #[inline]
     fn after_free(&mut self, f: Freed) {
-        if f.merged_size < self.release_threshold {
+        let threshold = self.release_threshold;
+        if f.merged_size < threshold {
             return;
         }
+        // Like glibc's dynamic thresholds: a program that frees big blocks gets to keep about two
+        // of them touched, so a buffer that is freed and allocated again (a growing Vec, a
+        // per-request arena) does not fault its pages in every time.
+        // Blocks of `MAX_RETAIN` or more are treated like glibc's mmapped ones: their pages go back
+        // at once and they do not raise the retained amount.
+        if f.size >= threshold && f.size < MAX_RETAIN {
+            self.retain = self.retain.max((2 * f.size).min(MAX_RETAIN));
+        }
+        let retain = self.retain;
         let page = self.page;
         if f.merged_ptr + f.merged_size == self.arena_end {
-            // The free top of the arena: once more than two thresholds of it were touched, return
-            // all but one threshold (glibc's trim, with hysteresis so a block that is freed and
-            // allocated again at the top does not fault its pages in every time).
-            let keep = (f.merged_ptr + self.release_threshold).next_multiple_of(page);
-            if self.brk > keep && self.brk - f.merged_ptr >= 2 * self.release_threshold {
+            // The free top of the arena: once more than twice the retained amount was touched,
+            // return all but the retained amount (glibc's trim, with hysteresis).
+            let keep = (f.merged_ptr + retain).next_multiple_of(page);
+            if self.brk > keep && self.brk - f.merged_ptr >= 2 * retain {
                 // SAFETY: `keep..brk` is page-aligned (brk rounded up) and inside the free top chunk.
                 unsafe { os::discard(keep, self.brk.next_multiple_of(page) - keep) };
                 self.brk = keep;
@@ -641,7 +692,7 @@ impl Heap {
             return;
         }
         self.dirty += f.size;
-        if f.size >= SWEEP_AFTER_THRESHOLDS * self.release_threshold {
+        if f.size >= MAX_RETAIN.max(SWEEP_AFTER_THRESHOLDS * threshold) {
             // Whole pages of the freed range, widened to the pages it shares with the merged chunk.
             let (down, up) = (f.ptr & !(page - 1), f.ptr.next_multiple_of(page));
             let lo = if down >= f.merged_ptr { down } else { up };
@@ -660,21 +711,28 @@ impl Heap {
             }
             return;
         }
-        if self.dirty >= SWEEP_AFTER_THRESHOLDS * self.release_threshold {
-            self.sweep(self.release_threshold);
+        // Sweep after as many bytes were freed as are in use (at least 16 thresholds, and twice the
+        // retained amount), returning only chunks that stayed free since the previous sweep: memory
+        // a program frees and allocates again in cycles keeps its pages.
+        let interval = (SWEEP_AFTER_THRESHOLDS * threshold)
+            .max(2 * retain)
+            .max(self.in_use());
+        if self.dirty >= interval {
+            self.sweep(threshold, true);
         }
     }
 
     /// Returns the whole, possibly touched pages of every free chunk of at least `min` bytes that
-    /// was not swept since it last changed. Returns the bytes covered.
-    fn sweep(&mut self, min: usize) -> usize {
+    /// was not swept since it last changed (with `aging`, only of those already free and unchanged at
+    /// the previous sweep). Returns the bytes covered.
+    fn sweep(&mut self, min: usize, aging: bool) -> usize {
         self.dirty = 0;
         let page = self.page;
         let brk = self.brk.next_multiple_of(page);
         let mut covered = 0;
         let mut new_brk = brk;
         let arena_end = self.arena_end;
-        self.bfc.sweep_dirty(min.max(page), |ptr, size| {
+        self.bfc.sweep_dirty(min.max(page), aging, |ptr, size| {
             let lo = ptr.next_multiple_of(page);
             let hi = ((ptr + size) & !(page - 1)).min(brk);
             if hi > lo {
