@@ -756,7 +756,10 @@ impl Heap {
             SmallFree::Freed(Some(span)) => self.free_engine(span),
             SmallFree::NotSmall => self.free_engine(p),
             SmallFree::Interior { block } => small_error(p, SmallFree::Interior { block }, ""),
-            SmallFree::DoubleFree => small_error(p, SmallFree::DoubleFree, ""),
+            // `free` names no class.
+            SmallFree::DoubleFree | SmallFree::OtherClass => {
+                small_error(p, SmallFree::DoubleFree, "")
+            }
         }
     }
 
@@ -1197,12 +1200,13 @@ impl Heap {
     fn flush_bin(&mut self, tc: &ThreadCache, c: usize, n: usize) {
         for _ in 0..n {
             let Some(p) = tc.pop(c) else { break };
-            match self.small.class_of_live(p) {
-                Ok(Some(k)) if k == c => self.free(p as *mut u8),
-                Ok(Some(_)) | Ok(None) => os::fatal(format_args!(
+            match self.small.free_of_class(p, c) {
+                SmallFree::Freed(None) => {}
+                SmallFree::Freed(Some(span)) => self.free_engine(span),
+                SmallFree::OtherClass | SmallFree::NotSmall => os::fatal(format_args!(
                     "free of pointer {p:#x} with a layout whose size class is not the block's"
                 )),
-                Err(e) => small_error(p, e, ""),
+                e => small_error(p, e, ""),
             }
         }
     }

@@ -118,6 +118,8 @@ pub(crate) enum SmallFree {
     Interior { block: usize },
     /// The object is not allocated.
     DoubleFree,
+    /// A live object of another class than the caller named.
+    OtherClass,
 }
 
 pub(crate) struct SmallHeap {
@@ -278,11 +280,26 @@ impl SmallHeap {
     /// Frees the object at `ptr` (see [`SmallFree`]).
     #[inline]
     pub(crate) fn free(&mut self, ptr: usize) -> SmallFree {
+        self.free_of(ptr, None)
+    }
+
+    /// Frees the object at `ptr`, which must be of class `c` ([`SmallFree::OtherClass`] if it is
+    /// live but of another class; nothing changes then).
+    #[inline]
+    pub(crate) fn free_of_class(&mut self, ptr: usize, c: usize) -> SmallFree {
+        self.free_of(ptr, Some(c))
+    }
+
+    #[inline]
+    fn free_of(&mut self, ptr: usize, class: Option<usize>) -> SmallFree {
         let (i, c, idx) = match self.locate(ptr) {
             Ok(Some(l)) => l,
             Ok(None) => return SmallFree::NotSmall,
             Err(e) => return e,
         };
+        if class.is_some_and(|k| k != c) {
+            return SmallFree::OtherClass;
+        }
         let size = CLASS_SIZES[c] as usize;
         let span = &mut self.spans[i];
         span.bits[idx / 64] &= !(1u64 << (idx % 64));
