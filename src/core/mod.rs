@@ -349,7 +349,13 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
                 }
             }
         }
-        let found = match self.find_fit(needed) {
+        let fit = if needed == rounded {
+            self.find_fit(needed)
+        } else {
+            self.find_aligned_fit(rounded, align, needed)
+                .or_else(|| self.find_fit(needed))
+        };
+        let found = match fit {
             Some(h) => self.take(h, rounded, align),
             None => self.allocate_slow(rounded, align, needed),
         };
@@ -746,6 +752,42 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
             found = self.bins.first_non_empty_from(b + 1)?;
         }
         self.bins.head(found)
+    }
+
+    /// For an aligned request: a free chunk smaller than `needed` (the size that fits at any address)
+    /// that still holds `rounded` bytes at an `align` boundary. The smallest such chunk among up to
+    /// 64 per class, in the lowest class that has one. Without this, an exactly fitting aligned hole
+    /// (say, a freed 64 KiB span) could never be reused for the same request.
+    fn find_aligned_fit(&self, rounded: usize, align: usize, needed: usize) -> Option<ChunkHandle> {
+        let last = bin_for(needed >> self.granule_shift);
+        let mut b = bin_for(rounded >> self.granule_shift);
+        while let Some(found) = self.bins.first_non_empty_from(b) {
+            if found > last {
+                return None;
+            }
+            let mut best: Option<(usize, usize, ChunkHandle)> = None;
+            let mut cur = self.bins.head(found);
+            let mut scanned = 0;
+            while let Some(h) = cur {
+                let c = self.table.get(h);
+                let start = align_up(c.ptr(), align);
+                if start - c.ptr() + rounded <= c.size()
+                    && best.is_none_or(|(bs, bp, _)| (c.size(), c.ptr()) < (bs, bp))
+                {
+                    best = Some((c.size(), c.ptr(), h));
+                }
+                scanned += 1;
+                if scanned >= 64 {
+                    break;
+                }
+                cur = c.free_next;
+            }
+            if let Some((_, _, h)) = best {
+                return Some(h);
+            }
+            b = found + 1;
+        }
+        None
     }
 
     /// Hands out (part of) free chunk `h` for a request of `rounded` bytes at `align`.

@@ -497,3 +497,24 @@ fn aging_sweeps_return_only_chunks_that_stayed_free() {
     assert!(!third.iter().any(|&(p, _)| p == keep[0]), "{third:?}");
     assert!(swept(&mut b, false).is_empty());
 }
+
+#[test]
+fn an_exactly_fitting_aligned_hole_is_reused() {
+    let mut b = engine(Config::device(1 << 30));
+    let span = 64 << 10;
+    let blocks: Vec<usize> = (0..4).map(|_| alloc(&mut b, span, span)).collect();
+    let _guard = alloc(&mut b, 1000, 1);
+    free(&mut b, blocks[1]); // a 64 KiB hole at a 64 KiB boundary, between live blocks
+    let again = alloc(&mut b, span, span);
+    assert_eq!(
+        again, blocks[1],
+        "the aligned hole fits the aligned request exactly"
+    );
+    // A hole that is big enough but not aligned right is not taken for the aligned request.
+    free(&mut b, again);
+    let small = alloc(&mut b, 256, 1);
+    assert_eq!(small, blocks[1]);
+    let aligned = alloc(&mut b, span, span);
+    assert_ne!(aligned, blocks[1] + 256);
+    assert_eq!(aligned % span, 0);
+}

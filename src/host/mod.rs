@@ -1174,8 +1174,11 @@ impl Heap {
     /// Moves a batch of class `c` blocks into the calling thread's cache `tc` and returns one more
     /// for the caller (null when out of memory).
     fn refill_cache(&mut self, tc: &ThreadCache, c: usize) -> *mut u8 {
-        let mut first = 0;
-        for _ in 0..=tcache::batch(c) {
+        // The slab hands out ascending addresses; the stack is filled in reverse so the thread
+        // gets them in that order too (consecutive allocations stay adjacent in memory).
+        let mut got = [0usize; tcache::MAX_BATCH + 1];
+        let mut n = 0;
+        while n <= tcache::batch(c) {
             let p = match self.small.alloc(c) {
                 Some(p) => p,
                 None => match self.small_refill(c) {
@@ -1183,16 +1186,17 @@ impl Heap {
                     None => break,
                 },
             };
-            if first == 0 {
-                first = p;
-            } else {
-                tc.fill(c, p);
-            }
+            got[n] = p;
+            n += 1;
         }
-        if first != 0 {
-            self.note_peak(small::class_size(c));
+        if n == 0 {
+            return ptr::null_mut();
         }
-        first as *mut u8
+        for &p in got[1..n].iter().rev() {
+            tc.fill(c, p);
+        }
+        self.note_peak(small::class_size(c));
+        got[0] as *mut u8
     }
 
     /// Returns `n` blocks of class `c` from the calling thread's cache `tc` to the slab layer, each

@@ -108,6 +108,9 @@ pub const MAX_CACHED_BYTES: usize = {
     sum
 };
 
+/// Most blocks moved per refill or flush.
+pub(crate) const MAX_BATCH: usize = MAX_BIN / 2;
+
 /// Blocks moved per refill or flush.
 #[inline(always)]
 pub(crate) const fn batch(c: usize) -> usize {
