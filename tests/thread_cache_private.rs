@@ -28,7 +28,8 @@ fn a_threads_cache_goes_back_when_it_exits() {
         let s = LOCAL.stats();
         assert_eq!(s.bytes_in_use, 0, "cached blocks are not in use: {s:?}");
         assert!(s.bytes_cached >= 8 * 64, "{s:?}");
-        assert_eq!(LOCAL.thread_cache_bytes(), s.bytes_cached);
+        // Cached: this thread's cache, plus what it gave to the heap's transfer cache.
+        assert!(LOCAL.thread_cache_bytes() <= s.bytes_cached);
         LOCAL.check().unwrap();
     })
     .join()

@@ -246,6 +246,9 @@ struct Heap {
     /// none); linked through the caches' `prev`/`next`.
     #[cfg(feature = "std")]
     caches: usize,
+    /// Blocks thread caches gave back when full, for the next refill (see `tcache::Transfer`).
+    #[cfg(feature = "std")]
+    transfer: tcache::Transfer,
     /// End of the arena.
     arena_end: usize,
     /// Every byte ever handed out lies below this address (the arena above it was never touched, or
@@ -394,7 +397,12 @@ impl GlobalBfc {
     pub fn release_free_memory(&self) -> usize {
         #[cfg(feature = "std")]
         self.flush_thread_cache();
-        self.with_heap(|h| h.sweep(1, false)).unwrap_or(0)
+        self.with_heap(|h| {
+            #[cfg(feature = "std")]
+            h.drain_transfer();
+            h.sweep(1, false)
+        })
+        .unwrap_or(0)
     }
 
     /// Returns the calling thread's cached small blocks to the heap (if its cache serves this
@@ -508,7 +516,12 @@ impl Heap {
             (config.chunk_capacity * core::mem::size_of::<Chunk>()).next_multiple_of(page);
         let span_entries = arena_size >> small::SPAN_SHIFT;
         let spans_bytes = (span_entries * SmallHeap::ENTRY).next_multiple_of(page);
-        let meta_mapping_size = map_bytes + table_bytes + spans_bytes;
+        #[cfg(feature = "std")]
+        let transfer_bytes =
+            (tcache::TRANSFER_SLOTS * core::mem::size_of::<usize>()).next_multiple_of(page);
+        #[cfg(not(feature = "std"))]
+        let transfer_bytes = 0;
+        let meta_mapping_size = map_bytes + table_bytes + spans_bytes + transfer_bytes;
         let Some(meta_mapping) = os::reserve(meta_mapping_size) else {
             // SAFETY: the arena reservation was just made and is unused.
             unsafe { os::unreserve(arena_mapping, arena_mapping_size) };
@@ -534,6 +547,19 @@ impl Heap {
                 span_entries,
             )
         };
+        // SAFETY: as for the table: an aligned, exclusively owned part of the metadata reservation,
+        // alive as long as the heap; any bytes are valid `usize`s.
+        #[cfg(feature = "std")]
+        let transfer: &'static mut [usize] = unsafe {
+            core::slice::from_raw_parts_mut(
+                meta_mapping
+                    .as_ptr()
+                    .add(map_bytes + table_bytes + spans_bytes)
+                    .cast::<usize>(),
+                tcache::TRANSFER_SLOTS,
+            )
+        };
+        let _ = transfer_bytes;
         let source = HostSource {
             arena,
             arena_size,
@@ -570,6 +596,8 @@ impl Heap {
             id: NEXT_ID.fetch_add(1, core::sync::atomic::Ordering::Relaxed),
             #[cfg(feature = "std")]
             caches: 0,
+            #[cfg(feature = "std")]
+            transfer: tcache::Transfer::new(transfer),
             arena_end: arena + arena_size,
             brk: arena,
             page,
@@ -660,6 +688,19 @@ impl Heap {
             .map_err(|what| CheckError { what, at: 0 })?;
         #[cfg(feature = "std")]
         self.check_own_cache()?;
+        #[cfg(feature = "std")]
+        for c in 0..small::NUM_CLASSES {
+            let mut ok = true;
+            self.transfer.walk(c, |p| {
+                ok &= matches!(self.small.class_of_live(p), Ok(Some(k)) if k == c);
+            });
+            if !ok {
+                return Err(CheckError {
+                    what: "transfer cache holds a block that is not a live object of its class",
+                    at: 0,
+                });
+            }
+        }
         Ok(())
     }
 
@@ -1160,9 +1201,9 @@ impl Heap {
         }
     }
 
-    /// `(bytes, blocks)` held by all thread caches.
+    /// `(bytes, blocks)` held by all thread caches and the transfer cache.
     fn cached(&self) -> (usize, usize) {
-        let mut total = (0, 0);
+        let mut total = self.transfer.held();
         self.for_each_cache(|tc| {
             let (b, n) = tc.held();
             total.0 += b;
@@ -1178,6 +1219,18 @@ impl Heap {
         // gets them in that order too (consecutive allocations stay adjacent in memory).
         let mut got = [0usize; tcache::MAX_BATCH + 1];
         let mut n = 0;
+        if self.transfer.count(c) > 0 {
+            // Blocks another thread's cache gave back: hand them over as they are.
+            while n <= tcache::batch(c) {
+                let Some(p) = self.transfer.pop(c) else { break };
+                got[n] = p;
+                n += 1;
+            }
+            for &p in got[1..n].iter().rev() {
+                tc.fill(c, p);
+            }
+            return got[0] as *mut u8;
+        }
         while n <= tcache::batch(c) {
             let p = match self.small.alloc(c) {
                 Some(p) => p,
@@ -1199,11 +1252,32 @@ impl Heap {
         got[0] as *mut u8
     }
 
-    /// Returns `n` blocks of class `c` from the calling thread's cache `tc` to the slab layer, each
-    /// checked to be a live object of class `c`.
-    fn flush_bin(&mut self, tc: &ThreadCache, c: usize, n: usize) {
+    /// Moves `n` blocks of class `c` out of the calling thread's cache `tc`: into the transfer
+    /// cache while it has room, if `transfer`, and otherwise back to the slab layer, each checked to
+    /// be a live object of class `c`.
+    fn flush_bin(&mut self, tc: &ThreadCache, c: usize, n: usize, transfer: bool) {
         for _ in 0..n {
             let Some(p) = tc.pop(c) else { break };
+            if transfer && self.transfer.push(c, p) {
+                continue;
+            }
+            self.free_to_slab(p, c);
+        }
+    }
+
+    /// Returns every block in the transfer cache to the slab layer (checked).
+    fn drain_transfer(&mut self) {
+        for c in 0..small::NUM_CLASSES {
+            while let Some(p) = self.transfer.pop(c) {
+                self.free_to_slab(p, c);
+            }
+        }
+    }
+
+    /// Frees a cached block of class `c` into the slab layer, aborting if it is not a live object
+    /// of that class.
+    fn free_to_slab(&mut self, p: usize, c: usize) {
+        {
             match self.small.free_of_class(p, c) {
                 SmallFree::Freed(None) => {}
                 SmallFree::Freed(Some(span)) => self.free_engine(span),
@@ -1215,11 +1289,13 @@ impl Heap {
         }
     }
 
-    /// Empties the calling thread's cache `tc`.
+    /// Empties the calling thread's cache `tc` into the slab layer (checked), with the transfer
+    /// cache.
     fn flush_all(&mut self, tc: &ThreadCache) {
         for c in 0..small::NUM_CLASSES {
-            self.flush_bin(tc, c, tc.count(c));
+            self.flush_bin(tc, c, tc.count(c), false);
         }
+        self.drain_transfer();
     }
 
     /// The slow path of a small free into the calling thread's cache `tc`: checks the block against
@@ -1231,7 +1307,7 @@ impl Heap {
                     small_error(p, SmallFree::DoubleFree, "");
                 }
                 if tc.count(c) >= tcache::bin_capacity(c) {
-                    self.flush_bin(tc, c, tcache::batch(c));
+                    self.flush_bin(tc, c, tcache::batch(c), true);
                 }
                 tc.fill(c, p);
             }

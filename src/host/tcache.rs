@@ -58,7 +58,11 @@ pub(crate) const DEAD: usize = usize::MAX - 2;
 const BIN_BYTES: usize = 16 << 10;
 
 /// Most blocks one class's stack holds.
+#[cfg(not(loom))]
 const MAX_BIN: usize = 128;
+/// Loom build: smaller stacks keep the models light.
+#[cfg(loom)]
+const MAX_BIN: usize = 16;
 
 /// Most blocks class `c`'s stack holds: about [`BIN_BYTES`] of them, between 8 and [`MAX_BIN`].
 #[inline(always)]
@@ -286,6 +290,82 @@ impl ThreadCache {
     }
 }
 
+/// Slots of the heap's transfer cache: two thread-cache stacks' worth per class.
+pub(crate) const TRANSFER_SLOTS: usize = 2 * SLOTS;
+
+/// The heap's transfer cache (under the heap lock): per class, a stack of blocks a thread cache gave
+/// back when full, handed whole to the next refill. A producer thread's refills and a consumer's
+/// flushes then meet here at the cost of copying pointers, instead of each block going through the
+/// slab layer's bitmaps. Blocks here are cached (free to callers); they get the slab layer's checks
+/// when they leave for it: an explicit or thread-exit flush, or `release_free_memory`, drains the
+/// transfer cache there.
+pub(crate) struct Transfer {
+    /// Class `c`'s stack is `slots[2 * OFFSET[c]..][..counts[c]]`.
+    slots: &'static mut [usize],
+    counts: [u16; NUM_CLASSES],
+}
+
+impl Transfer {
+    /// Wraps storage of [`TRANSFER_SLOTS`] entries.
+    pub(crate) fn new(slots: &'static mut [usize]) -> Self {
+        assert!(slots.len() >= TRANSFER_SLOTS);
+        Transfer {
+            slots,
+            counts: [0; NUM_CLASSES],
+        }
+    }
+
+    /// Most blocks class `c`'s stack holds.
+    #[inline]
+    fn capacity(c: usize) -> usize {
+        2 * bin_capacity(c)
+    }
+
+    /// Pushes `p`; `false` (nothing changed) when the stack is full.
+    #[inline]
+    pub(crate) fn push(&mut self, c: usize, p: usize) -> bool {
+        let n = self.counts[c] as usize;
+        if n >= Self::capacity(c) {
+            return false;
+        }
+        self.slots[2 * OFFSET[c] + n] = p;
+        self.counts[c] += 1;
+        true
+    }
+
+    #[inline]
+    pub(crate) fn pop(&mut self, c: usize) -> Option<usize> {
+        let n = self.counts[c] as usize;
+        if n == 0 {
+            return None;
+        }
+        self.counts[c] -= 1;
+        Some(self.slots[2 * OFFSET[c] + n - 1])
+    }
+
+    /// Blocks on class `c`'s stack.
+    pub(crate) fn count(&self, c: usize) -> usize {
+        self.counts[c] as usize
+    }
+
+    /// Calls `f` on class `c`'s blocks.
+    pub(crate) fn walk(&self, c: usize, mut f: impl FnMut(usize)) {
+        for &p in &self.slots[2 * OFFSET[c]..][..self.count(c)] {
+            f(p);
+        }
+    }
+
+    /// `(bytes, blocks)` held.
+    pub(crate) fn held(&self) -> (usize, usize) {
+        let mut total = (0, 0);
+        for c in 0..NUM_CLASSES {
+            total.0 += self.count(c) * class_size(c);
+            total.1 += self.count(c);
+        }
+        total
+    }
+}
+
 #[cfg(not(loom))]
 std::thread_local! {
     static CACHE: ThreadCache = const { ThreadCache::new() };
@@ -293,15 +373,19 @@ std::thread_local! {
     static EXIT: ExitFlush = const { ExitFlush };
 }
 
+// Loom keeps thread-locals by value in frames of its own, on small coroutine stacks: box it.
 #[cfg(loom)]
 loom::thread_local! {
-    static CACHE: ThreadCache = ThreadCache::new();
+    static CACHE: std::boxed::Box<ThreadCache> = std::boxed::Box::new(ThreadCache::new());
 }
 
 /// Runs `f` on this thread's cache; `None` if it is gone (the thread is exiting).
 #[inline(always)]
 pub(crate) fn with<R>(f: impl FnOnce(&ThreadCache) -> R) -> Option<R> {
-    CACHE.try_with(f).ok()
+    #[cfg(not(loom))]
+    return CACHE.try_with(f).ok();
+    #[cfg(loom)]
+    return CACHE.try_with(|c| f(c)).ok();
 }
 
 /// Makes sure the cache is flushed when the thread exits. Returns `false` if it cannot be (the
@@ -328,7 +412,7 @@ impl Drop for ExitFlush {
 /// thread with this call instead of relying on the destructor.
 #[cfg(loom)]
 pub fn exit_thread() {
-    let _ = CACHE.try_with(super::on_thread_exit);
+    let _ = with(super::on_thread_exit);
 }
 
 /// A loom model thread that ends with its cache still registered would leave a dangling registry
