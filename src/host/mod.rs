@@ -16,14 +16,16 @@
 //!
 //! # Thread caches (`std`)
 //!
-//! In front of the slab layer each thread keeps bounded per-class lists of free small blocks, so most
+//! In front of the slab layer each thread keeps bounded per-class stacks of free small blocks, so most
 //! small allocations and frees take no lock (see `tcache.rs` for the protocol):
-//! - at most [`MAX_CACHED_BYTES`] (429 KiB) per thread; half a list moves per lock acquisition;
-//! - a block freed on another thread joins that thread's cache;
+//! - at most [`MAX_CACHED_BYTES`] (429 KiB) per thread; half a stack moves per lock acquisition;
+//! - a block freed on another thread joins that thread's cache; a full cache gives half a stack to
+//!   a per-class transfer cache in the heap, which the next refill of that class takes whole (at most
+//!   two stacks per class, about 858 KiB in all);
 //! - a thread's cache is flushed when the thread exits, and on demand by
 //!   [`GlobalBfc::flush_thread_cache`] (and [`GlobalBfc::release_free_memory`]);
-//! - blocks leaving a cache are checked by the slab layer, and a block freed twice on one thread is
-//!   caught at the second free;
+//! - blocks going back to the slab layer are checked there, and a block freed twice in a row on one
+//!   thread is caught at the second free (other double frees when the block reaches the slab layer);
 //! - [`GlobalBfc::stats`] counts cached blocks as cached, not in use;
 //! - a thread's cache serves the first instance that uses it; other instances take the lock there.
 //!
@@ -47,22 +49,6 @@
 //!
 //! Smaller free chunks keep their pages for reuse.
 //! [`GlobalBfc::release_free_memory`] returns every free page at once.
-//!
-//! # Thread caches (`std`)
-//!
-//! In front of the slab layer each thread keeps bounded per-class lists of free small blocks, so most
-//! small allocations and frees take no lock (see `tcache.rs` for the protocol):
-//! - at most [`MAX_CACHED_BYTES`] (429 KiB) per thread; half a list moves per lock acquisition;
-//! - a block freed on another thread joins that thread's cache;
-//! - a thread's cache is flushed when the thread exits, and on demand by
-//!   [`GlobalBfc::flush_thread_cache`] (and [`GlobalBfc::release_free_memory`]);
-//! - blocks leaving a cache are checked by the slab layer, and a block freed twice on one thread is
-//!   caught at the second free;
-//! - [`GlobalBfc::stats`] counts cached blocks as cached, not in use;
-//! - a thread's cache serves the first instance that uses it; other instances take the lock there.
-//!
-//! A small block is always freed with a layout of its own size class: `realloc` keeps a small block in
-//! place only within its class, and moves a large block that shrinks to a small size.
 //!
 //! # Giving memory back
 //!
