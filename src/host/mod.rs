@@ -50,19 +50,6 @@
 //! Smaller free chunks keep their pages for reuse.
 //! [`GlobalBfc::release_free_memory`] returns every free page at once.
 //!
-//! # Giving memory back
-//!
-//! With `T` = [`HostConfig::release_threshold`], pages go back to the kernel
-//! (`madvise(MADV_DONTNEED)`):
-//! - the free top of the arena keeps `T` bytes of touched memory and returns the rest once more than
-//!   `2T` of it were touched;
-//! - elsewhere, blocks freed into free chunks of at least `T` bytes are counted, and after `16T` bytes
-//!   of them (16 MiB by default) every free chunk of at least `T` bytes is swept; a single freed block
-//!   of at least `16T` bytes returns its pages at once.
-//!
-//! Smaller free chunks keep their pages for reuse.
-//! [`GlobalBfc::release_free_memory`] sweeps every free page on demand.
-//!
 //! # Errors
 //!
 //! Out of memory (including requests larger than the arena) returns null. Freeing a pointer the
