@@ -697,6 +697,12 @@ impl Heap {
         if f.merged_ptr + f.merged_size == self.arena_end {
             // The free top of the arena: once more than twice the retained amount was touched,
             // return all but the retained amount (glibc's trim, with hysteresis).
+            // A block of `MAX_RETAIN` or more goes back whole, like a glibc mmapped chunk.
+            let retain = if f.size >= MAX_RETAIN {
+                threshold
+            } else {
+                retain
+            };
             let keep = (f.merged_ptr + retain).next_multiple_of(page);
             if self.brk > keep && self.brk - f.merged_ptr >= 2 * retain {
                 // SAFETY: `keep..brk` is page-aligned (brk rounded up) and inside the free top chunk.
