@@ -18,10 +18,10 @@
 //!
 //! In front of the slab layer each thread keeps bounded per-class stacks of free small blocks, so most
 //! small allocations and frees take no lock (see `tcache.rs` for the protocol):
-//! - at most [`MAX_CACHED_BYTES`] (429 KiB) per thread; half a stack moves per lock acquisition;
+//! - at most [`MAX_CACHED_BYTES`] (575 KiB) per thread; half a stack moves per lock acquisition;
 //! - a block freed on another thread joins that thread's cache; a full cache gives half a stack to
 //!   a per-class transfer cache in the heap, which the next refill of that class takes whole (at most
-//!   two stacks per class, about 858 KiB in all);
+//!   two stacks per class, about 1.1 MiB in all);
 //! - a thread's cache is flushed when the thread exits, and on demand by
 //!   [`GlobalBfc::flush_thread_cache`] (and [`GlobalBfc::release_free_memory`]);
 //! - blocks going back to the slab layer are checked there, and a block freed twice in a row on one
