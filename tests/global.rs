@@ -363,6 +363,17 @@ fn child_entry() {
                 A.flush_thread_cache();
             }
             #[cfg(feature = "std")]
+            "double_free_interleaved" => {
+                // Not in a row, so the free itself cannot tell; `check()` sees the block twice in
+                // the thread's cache, and the flush aborts.
+                let q = std::hint::black_box(alloc(l));
+                dealloc(p, l);
+                dealloc(q, l);
+                dealloc(std::hint::black_box(p), l);
+                eprintln!("check: {:?}", A.check());
+                A.flush_thread_cache();
+            }
+            #[cfg(feature = "std")]
             "wrong_layout" => {
                 // A 64-byte block freed as a 16-byte one joins the 16-byte list; it is caught when
                 // the list is flushed.
@@ -422,6 +433,12 @@ fn large_block_double_free_and_interior_free_abort() {
 fn thread_cache_double_free_and_wrong_layout_abort() {
     assert_aborts("double_free_flushed", "double free of pointer");
     assert_aborts("wrong_layout", "size class is not the block's");
+    assert_aborts("double_free_interleaved", "double free of pointer");
+    let (_, stderr) = run_child("double_free_interleaved");
+    assert!(
+        stderr.contains("holding a block twice"),
+        "check() did not report the doubled block: {stderr:?}"
+    );
 }
 
 #[test]

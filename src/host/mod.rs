@@ -1296,8 +1296,9 @@ impl Heap {
         }
     }
 
-    /// Checks the calling thread's cache, if bound to this heap: every listed block is a live
-    /// object of its list's class, and the counts match the lists.
+    /// Checks the calling thread's cache, if bound to this heap: every cached block is a live
+    /// object of its stack's class, no stack is overfull, and no block is cached twice (a double
+    /// free not caught yet).
     fn check_own_cache(&self) -> Result<(), CheckError> {
         let id = self.id;
         tcache::with(|tc| {
@@ -1317,9 +1318,9 @@ impl Heap {
                         at: 0,
                     });
                 }
-                if n != tc.count(c) || n > tcache::bin_capacity(c) {
+                if n > tcache::bin_capacity(c) || tc.has_duplicate(c) {
                     return Err(CheckError {
-                        what: "thread cache count disagrees with its list",
+                        what: "thread cache stack overfull or holding a block twice",
                         at: 0,
                     });
                 }

@@ -54,7 +54,7 @@ pub(crate) const BINDING: usize = usize::MAX - 1;
 /// `owner` once the thread's exit flush ran: the cache is never used again.
 pub(crate) const DEAD: usize = usize::MAX - 2;
 
-/// Target bytes of blocks in one class's list.
+/// Target bytes of blocks in one class's stack.
 const BIN_BYTES: usize = 16 << 10;
 
 /// Fewest blocks one class's stack holds.
@@ -125,7 +125,7 @@ pub(crate) const fn batch(c: usize) -> usize {
 
 /// What a free into the cache did.
 pub(crate) enum Push {
-    /// The block is on the list.
+    /// The block is on the stack.
     Done,
     /// Take the slow path: the stack is full, the block is not plainly a small block of the
     /// instance, or it is the block on top of the stack (freed twice in a row).
@@ -261,6 +261,12 @@ impl ThreadCache {
         for i in 0..self.count(c) {
             f(self.slot(c, i).get());
         }
+    }
+
+    /// Whether some block is twice on class `c`'s stack (owner thread only; quadratic, for checks).
+    pub(crate) fn has_duplicate(&self, c: usize) -> bool {
+        let n = self.count(c);
+        (0..n).any(|i| (i + 1..n).any(|j| self.slot(c, i).get() == self.slot(c, j).get()))
     }
 
     /// Whether `p` is on class `c`'s stack (owner thread only).
