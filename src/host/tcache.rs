@@ -251,7 +251,11 @@ impl ThreadCache {
     /// checked under the lock). The stack must have room.
     pub(crate) fn fill(&self, c: usize, p: usize) {
         let n = self.count(c);
-        assert!(n < bin_capacity(c), "thread cache overfilled");
+        if n >= bin_capacity(c) {
+            // Callers make room first; reaching this is a bug, and writing on would corrupt the
+            // next class's stack.
+            super::os::fatal(format_args!("thread cache overfilled (class {c})"));
+        }
         self.slot(c, n).set(p);
         self.set_count(c, n + 1);
     }
