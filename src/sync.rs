@@ -3,12 +3,14 @@
 //! Normally these are `core`'s types; under `--cfg loom` they are loom's, so the lock that loom
 //! model-checks is the lock that ships.
 
+#[cfg(all(not(loom), feature = "host"))]
+pub(crate) use core::sync::atomic::AtomicPtr;
 #[cfg(all(not(loom), feature = "std"))]
 pub(crate) use core::sync::atomic::AtomicUsize;
 #[cfg(not(loom))]
 pub(crate) use core::sync::atomic::{AtomicBool, Ordering};
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 
 #[cfg(loom)]
 #[allow(unused_imports)]

@@ -286,6 +286,18 @@ fn allocator_api2_allocate_and_grow() {
         assert_eq!(g2.cast::<u8>().as_ptr() as usize % 4096, 0);
         assert_eq!(*g2.cast::<u8>().as_ptr().add(47), 7);
         A.deallocate(g2.cast(), Layout::from_size_align(8192, 4096).unwrap());
+        // Lowering the alignment turns a large (over-aligned) block into a small one: it must
+        // move, because the small layout it is freed with sends it to the thread cache.
+        let big_align = Layout::from_size_align(64, 64).unwrap();
+        let small = Layout::from_size_align(64, 8).unwrap();
+        let p = A.allocate(big_align).unwrap();
+        p.cast::<u8>().as_ptr().write_bytes(9, 64);
+        let s = A.shrink(p.cast(), big_align, small).unwrap();
+        assert_eq!(*s.cast::<u8>().as_ptr().add(63), 9);
+        A.deallocate(s.cast(), small);
+        #[cfg(feature = "std")]
+        A.flush_thread_cache(); // aborted here ("size class is not the block's") before the fix
+        A.check().unwrap();
     }
 }
 

@@ -83,3 +83,43 @@ fn dropping_an_instance_frees_the_threads_cache_for_the_next() {
     .join()
     .unwrap();
 }
+
+#[test]
+fn a_thread_exiting_after_its_allocator_moved_flushes_into_the_moved_heap() {
+    use std::sync::mpsc::channel;
+    let a = GlobalBfc::with_config(HostConfig {
+        arena_size: 256 << 20,
+        min_arena_size: 256 << 20,
+        ..HostConfig::DEFAULT
+    });
+    let l = Layout::from_size_align(48, 8).unwrap();
+    let (used_tx, used_rx) = channel::<()>();
+    let (exit_tx, exit_rx) = channel::<()>();
+    let at = &a as *const GlobalBfc as usize;
+    let t = std::thread::spawn(move || {
+        // SAFETY: `a` stays at `at`, unused by anyone else, until this thread signals `used`.
+        let a = unsafe { &*(at as *const GlobalBfc) };
+        let mut blocks = [0usize; 10];
+        for b in blocks.iter_mut() {
+            // SAFETY: a valid layout.
+            *b = unsafe { black_box(a.alloc(l)) } as usize;
+        }
+        for &p in &blocks {
+            // SAFETY: allocated above with `l`, freed once.
+            unsafe { a.dealloc(p as *mut u8, l) };
+        }
+        assert!(
+            a.thread_cache_bytes() > 0,
+            "the cache binds to the instance"
+        );
+        used_tx.send(()).unwrap();
+        exit_rx.recv().unwrap(); // the thread-exit flush runs after `a` moved
+    });
+    used_rx.recv().unwrap();
+    let moved = Box::new(a); // `a` moves while the thread's cache is still bound to it
+    exit_tx.send(()).unwrap();
+    t.join().unwrap();
+    let s = moved.stats();
+    assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 0), "{s:?}");
+    moved.check().unwrap();
+}

@@ -4,21 +4,106 @@
 //! `cargo run --release --manifest-path bench-peers/Cargo.toml [-- --rounds N] [--allocs a,b] [workload...]`
 
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::process::Command;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use bench_peers::WORKLOADS;
 
-/// Times of the rounds and the highest peak RSS (KiB) of one (workload, allocator).
-type Runs = (Vec<f64>, u64);
-
+/// Allocators in table order (binary `peer-<name>`); `system` is glibc's malloc.
 const ALLOCATORS: &[&str] = &[
     "bfc", "system", "mimalloc", "jemalloc", "talc", "rlsf", "dlmalloc",
 ];
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+/// A run taking longer than this is killed and counted as failed.
+const RUN_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Results of one (workload, allocator): times of the rounds, highest peak RSS (KiB), failures.
+#[derive(Default)]
+struct Cell {
+    times: Vec<f64>,
+    rss_kib: u64,
+    failures: Vec<String>,
+}
+
+impl Cell {
+    /// Median time, when no round failed.
+    fn median(&self) -> Option<f64> {
+        if !self.failures.is_empty() || self.times.is_empty() {
+            return None;
+        }
+        let mut v = self.times.clone();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        Some(if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        })
+    }
+}
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: bench-peers [--rounds N] [--allocs a,b,...] [workload...]\n  allocators: {}\n  workloads: {}",
+        ALLOCATORS.join(","),
+        WORKLOADS.iter().map(|w| w.0).collect::<Vec<_>>().join(" ")
+    );
+    std::process::exit(2)
+}
+
+/// Runs `peer-<alloc> <workload>`: `(time per unit, peak RSS KiB)`, or why it failed.
+fn run_one(dir: &Path, alloc: &str, workload: &str) -> Result<(f64, u64), String> {
+    let mut child = Command::new(dir.join(format!("peer-{alloc}")))
+        .arg(workload)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("spawn: {e}"))?;
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().map_err(|e| format!("wait: {e}"))? {
+            break s;
+        }
+        if start.elapsed() > RUN_TIMEOUT {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("timed out after {} s", RUN_TIMEOUT.as_secs()));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let (mut out, mut err) = (String::new(), String::new());
+    let _ = child.stdout.take().unwrap().read_to_string(&mut out);
+    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+    if !status.success() {
+        let last = err
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("");
+        return Err(format!("{status}: {last}"));
+    }
+    let mut f = out.split_whitespace();
+    let parsed = (|| {
+        if f.next()? != workload {
+            return None;
+        }
+        Some((f.next()?.parse().ok()?, f.next()?.parse().ok()?))
+    })();
+    parsed.ok_or_else(|| format!("unexpected output {:?}", out.trim()))
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into())
 }
 
 fn main() {
@@ -29,24 +114,41 @@ fn main() {
     while let Some(a) = args.next() {
         match a.as_str() {
             "--rounds" => {
-                rounds = args
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .expect("--rounds N")
+                rounds = match args.next().and_then(|v| v.parse().ok()) {
+                    Some(n) if n > 0 => n,
+                    _ => usage(),
+                }
             }
             "--allocs" => {
                 allocs = args
                     .next()
-                    .expect("--allocs a,b")
+                    .unwrap_or_else(|| usage())
                     .split(',')
+                    .filter(|s| !s.is_empty())
                     .map(str::to_string)
                     .collect()
             }
+            "-h" | "--help" => usage(),
             w => workloads.push(w.to_string()),
         }
     }
     if workloads.is_empty() {
         workloads = WORKLOADS.iter().map(|(w, _)| w.to_string()).collect();
+    }
+    for w in &workloads {
+        if !WORKLOADS.iter().any(|(n, _)| n == w) {
+            eprintln!("unknown workload {w:?}");
+            usage();
+        }
+    }
+    for a in &allocs {
+        if !ALLOCATORS.contains(&a.as_str()) {
+            eprintln!("unknown allocator {a:?}");
+            usage();
+        }
+    }
+    if allocs.is_empty() {
+        usage();
     }
 
     // Build the peer binaries (`cargo run` builds only this one).
@@ -57,54 +159,35 @@ fn main() {
         .status()
         .expect("run cargo");
     assert!(status.success(), "building the peer binaries failed");
-    let dir: PathBuf = std::env::current_exe().unwrap().parent().unwrap().into();
+    let dir: PathBuf = std::env::current_exe()
+        .expect("current_exe")
+        .parent()
+        .expect("exe dir")
+        .into();
 
-    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-    println!(
-        "bench-peers: {rounds} rounds, {cpus} CPUs; median time per unit (lower is better), \
-         each (workload, allocator) in its own process; rounds interleave the allocators"
-    );
-    println!(
-        "command: cargo run --release --manifest-path bench-peers/Cargo.toml -- {}\n",
-        std::env::args().skip(1).collect::<Vec<_>>().join(" ")
-    );
-
-    // (workload, allocator) -> (times, peak RSS KiB); None when a run failed.
-    let mut results: HashMap<(String, String), Option<Runs>> = HashMap::new();
+    let mut results: HashMap<(String, String), Cell> = HashMap::new();
     for round in 0..rounds {
         for w in &workloads {
+            // Rotate the allocator order each round, so no allocator always runs first or last.
             for k in 0..allocs.len() {
                 let a = &allocs[(k + round) % allocs.len()];
-                let out = Command::new(dir.join(format!("peer-{a}"))).arg(w).output();
-                let parsed = out.ok().filter(|o| o.status.success()).and_then(|o| {
-                    let line = String::from_utf8_lossy(&o.stdout).trim().to_string();
-                    let mut f = line.split_whitespace().skip(1);
-                    Some((
-                        f.next()?.parse::<f64>().ok()?,
-                        f.next()?.parse::<u64>().ok()?,
-                    ))
-                });
-                let entry = results
-                    .entry((w.clone(), a.clone()))
-                    .or_insert_with(|| Some((Vec::new(), 0)));
-                match (entry.as_mut(), parsed) {
-                    (Some((times, rss)), Some((t, r))) => {
-                        times.push(t);
-                        *rss = (*rss).max(r);
+                let cell = results.entry((w.clone(), a.clone())).or_default();
+                match run_one(&dir, a, w) {
+                    Ok((t, rss)) => {
+                        cell.times.push(t);
+                        cell.rss_kib = cell.rss_kib.max(rss);
                     }
-                    _ => *entry = None,
+                    Err(e) => {
+                        eprintln!("peer-{a} {w}: FAILED ({e})");
+                        cell.failures.push(e);
+                    }
                 }
             }
         }
         eprintln!("round {} of {rounds} done", round + 1);
     }
 
-    let cell = |w: &str, a: &str| {
-        results
-            .get(&(w.to_string(), a.to_string()))
-            .cloned()
-            .flatten()
-    };
+    let cell = |w: &str, a: &str| results.get(&(w.to_string(), a.to_string()));
     let unit = |w: &str| {
         WORKLOADS
             .iter()
@@ -112,21 +195,35 @@ fn main() {
             .map_or("?", |(_, u)| u)
     };
 
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!();
+    println!("machine: {cpus} CPUs (nproc), {}", cpu_model());
+    println!(
+        "command: cargo run --release --manifest-path bench-peers/Cargo.toml --{}",
+        std::env::args()
+            .skip(1)
+            .map(|a| format!(" {a}"))
+            .collect::<String>()
+    );
+    println!(
+        "{rounds} rounds; each (workload, allocator) runs in its own process with that allocator as \
+         #[global_allocator]; allocators interleaved within each round. system = glibc malloc.\n"
+    );
+    println!("Median time per unit (lower is better):\n");
     print!("| workload | unit |");
     for a in &allocs {
         print!(" {a} |");
     }
     println!(" bfc / best peer |");
-    println!("|---|---|{}---|", "---|".repeat(allocs.len()));
+    println!("|---|---|{}---|", "---:|".repeat(allocs.len()));
     for w in &workloads {
         print!("| {w} | {} |", unit(w));
         let mut best: Option<(f64, &str)> = None;
         let mut bfc = None;
         for a in &allocs {
-            match cell(w, a) {
-                Some((mut t, _)) => {
-                    let m = median(&mut t);
-                    print!(" {m:.2} |");
+            match cell(w, a).and_then(Cell::median) {
+                Some(m) => {
+                    print!(" {} |", fmt_time(m));
                     if a == "bfc" {
                         bfc = Some(m);
                     } else if best.is_none_or(|(b, _)| m < b) {
@@ -142,24 +239,56 @@ fn main() {
         }
     }
 
-    println!("\nPeak RSS (VmHWM), MiB:\n");
+    println!("\nPeak RSS (VmHWM, max over rounds), MiB:\n");
     print!("| workload |");
     for a in &allocs {
         print!(" {a} |");
     }
     println!(" bfc / glibc |");
-    println!("|---|{}---|", "---|".repeat(allocs.len()));
+    println!("|---|{}---|", "---:|".repeat(allocs.len()));
+    let rss = |w: &str, a: &str| {
+        cell(w, a)
+            .filter(|c| c.failures.is_empty() && !c.times.is_empty())
+            .map(|c| c.rss_kib)
+    };
     for w in &workloads {
         print!("| {w} |");
         for a in &allocs {
-            match cell(w, a) {
-                Some((_, r)) => print!(" {:.1} |", r as f64 / 1024.0),
+            match rss(w, a) {
+                Some(r) => print!(" {:.1} |", r as f64 / 1024.0),
                 None => print!(" failed |"),
             }
         }
-        match (cell(w, "bfc"), cell(w, "system")) {
-            (Some((_, b)), Some((_, s))) if s > 0 => println!(" {:.2} |", b as f64 / s as f64),
+        match (rss(w, "bfc"), rss(w, "system")) {
+            (Some(b), Some(s)) if s > 0 => println!(" {:.2} |", b as f64 / s as f64),
             _ => println!(" - |"),
         }
+    }
+
+    let mut failed: Vec<_> = results
+        .iter()
+        .filter(|(_, c)| !c.failures.is_empty())
+        .collect();
+    if !failed.is_empty() {
+        failed.sort_by(|a, b| a.0.cmp(b.0));
+        println!("\nFailures:");
+        for ((w, a), c) in failed {
+            println!(
+                "- peer-{a} {w}: {} of {rounds} rounds failed; first: {}",
+                c.failures.len(),
+                c.failures[0]
+            );
+        }
+    }
+}
+
+/// Three significant digits or so.
+fn fmt_time(t: f64) -> String {
+    if t >= 100.0 {
+        format!("{t:.0}")
+    } else if t >= 10.0 {
+        format!("{t:.1}")
+    } else {
+        format!("{t:.2}")
     }
 }

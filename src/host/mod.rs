@@ -219,6 +219,9 @@ struct Heap {
     /// none); linked through the caches' `prev`/`next`.
     #[cfg(feature = "std")]
     caches: usize,
+    /// Fork generation the registry belongs to.
+    #[cfg(feature = "std")]
+    fork_gen: usize,
     /// Blocks thread caches gave back when full, for the next refill (see `tcache::Transfer`).
     #[cfg(feature = "std")]
     transfer: tcache::Transfer,
@@ -237,6 +240,52 @@ struct CacheLine<T>(T);
 /// Source of heap ids (never reused, unlike addresses).
 #[cfg(feature = "std")]
 static NEXT_ID: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(1);
+
+/// Fork generation: incremented in every fork child by an atfork handler (installed with the first
+/// thread cache). A heap that sees a new generation rebuilds its cache registry (see
+/// `Heap::after_fork`).
+#[cfg(all(feature = "std", not(loom)))]
+static FORK_GEN: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
+/// The forking thread's cache (its address and owner id), recorded in the child: the one cache that
+/// survives a fork.
+#[cfg(all(feature = "std", not(loom)))]
+static FORK_SURVIVOR: [core::sync::atomic::AtomicUsize; 2] = [
+    core::sync::atomic::AtomicUsize::new(0),
+    core::sync::atomic::AtomicUsize::new(0),
+];
+
+#[cfg(all(feature = "std", not(loom)))]
+extern "C" fn after_fork_in_child() {
+    use core::sync::atomic::Ordering::Relaxed;
+    let (addr, owner) = tcache::with(|tc| (tc as *const ThreadCache as usize, tc.owner.get()))
+        .unwrap_or((0, tcache::UNBOUND));
+    FORK_SURVIVOR[0].store(addr, Relaxed);
+    FORK_SURVIVOR[1].store(owner, Relaxed);
+    FORK_GEN.fetch_add(1, Relaxed);
+}
+
+/// Installs the fork handler once.
+#[cfg(feature = "std")]
+fn install_fork_handler() {
+    #[cfg(not(loom))]
+    {
+        static INSTALLED: core::sync::atomic::AtomicBool =
+            core::sync::atomic::AtomicBool::new(false);
+        if !INSTALLED.swap(true, core::sync::atomic::Ordering::Relaxed) {
+            // SAFETY: registers a handler that only touches atomics and this thread's cache.
+            unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+        }
+    }
+}
+
+/// The current fork generation (always 0 under loom, which has no fork).
+#[cfg(feature = "std")]
+fn fork_generation() -> usize {
+    #[cfg(not(loom))]
+    return FORK_GEN.load(core::sync::atomic::Ordering::Relaxed);
+    #[cfg(loom)]
+    return 0;
+}
 
 /// Serialises thread-exit flushes with instance drops (see `tcache`'s docs).
 #[cfg(all(feature = "std", not(loom)))]
@@ -268,15 +317,23 @@ const SWEEP_AFTER_THRESHOLDS: usize = 16;
 /// this large returns its pages at once.
 const MAX_RETAIN: usize = 64 << 20;
 
-#[allow(
-    clippy::large_enum_variant,
-    reason = "lives in a static; boxing would need an allocator"
-)]
+/// First-use initialisation state.
 enum State {
     Uninit,
-    Ready(Heap),
+    Ready,
     /// The arena could not be reserved; every allocation returns null.
     Failed,
+}
+
+/// The heap behind its lock. It lives in the metadata reservation, not in the `GlobalBfc`, so its
+/// address stays fixed while the `GlobalBfc` moves (a value used through `Allocator` may be moved
+/// with its collection): thread caches and their exit flushes refer to it.
+struct Anchor {
+    heap: SpinLock<Heap>,
+    /// Set when the allocator was dropped (loom builds, where the reservation is kept so that the
+    /// models can see a flush that comes too late).
+    #[cfg(loom)]
+    dropped: crate::sync::UnmodelledAtomicBool,
 }
 
 /// A `#[global_allocator]`: the BFC engine over a lazily reserved arena, behind a spinlock.
@@ -295,6 +352,9 @@ pub struct GlobalBfc {
     /// shares a cache line with the read-only config and not with the lock.
     #[cfg(feature = "std")]
     id: core::sync::atomic::AtomicUsize,
+    /// The heap once initialised (null before, or if the arena could not be reserved).
+    anchor: crate::sync::AtomicPtr<Anchor>,
+    /// Serialises the first-use initialisation.
     state: CacheLine<SpinLock<State>>,
     /// Initialisations so far (loom builds only).
     #[cfg(loom)]
@@ -316,6 +376,7 @@ impl GlobalBfc {
             config,
             #[cfg(feature = "std")]
             id: core::sync::atomic::AtomicUsize::new(0),
+            anchor: crate::sync::AtomicPtr::new(ptr::null_mut()),
             state: CacheLine(SpinLock::with_reentry_handler(State::Uninit, reentered)),
         }
     }
@@ -334,6 +395,7 @@ impl GlobalBfc {
             config,
             #[cfg(feature = "std")]
             id: core::sync::atomic::AtomicUsize::new(0),
+            anchor: crate::sync::AtomicPtr::new(ptr::null_mut()),
             state: CacheLine(SpinLock::with_reentry_handler(State::Uninit, reentered)),
             inits: crate::sync::UnmodelledAtomicUsize::new(0),
         }
@@ -414,24 +476,50 @@ impl GlobalBfc {
     /// Runs `f` on the heap, initialising it on first use; `None` if the arena is unavailable.
     #[inline]
     fn with_heap<R>(&self, f: impl FnOnce(&mut Heap) -> R) -> Option<R> {
-        let mut guard = self.state.0.lock();
-        guard.with(|state| {
-            if let State::Ready(h) = state {
-                return Some(f(h));
+        let mut a = self.anchor.load(crate::sync::Ordering::Acquire);
+        if a.is_null() {
+            a = self.init();
+            if a.is_null() {
+                return None;
             }
-            #[cfg(loom)]
-            if let State::Uninit = state {
+        }
+        // SAFETY: a non-null anchor was published (with release) after being written, and stays
+        // valid until `drop`, which needs `&mut self`.
+        let anchor = unsafe { &*a };
+        Some(anchor.heap.lock().with(|h| {
+            #[cfg(feature = "std")]
+            h.after_fork();
+            f(h)
+        }))
+    }
+
+    /// First use: reserves the arena and builds the heap (once; racing callers wait). Returns the
+    /// anchor, or null if the arena could not be reserved. Out of line, so the fast paths do not
+    /// carry its large stack frame.
+    #[cold]
+    #[inline(never)]
+    fn init(&self) -> *mut Anchor {
+        self.state.0.lock().with(|state| match state {
+            State::Ready => self.anchor.load(crate::sync::Ordering::Acquire),
+            State::Failed => ptr::null_mut(),
+            State::Uninit => {
+                #[cfg(loom)]
                 self.inits
                     .fetch_add(1, crate::sync::UnmodelledOrdering::Relaxed);
-            }
-            init_state(state, &self.config);
-            #[cfg(feature = "std")]
-            if let State::Ready(h) = state {
-                self.id.store(h.id, core::sync::atomic::Ordering::Relaxed);
-            }
-            match state {
-                State::Ready(h) => Some(f(h)),
-                _ => None,
+                match Heap::init(&self.config) {
+                    Some((a, _id)) => {
+                        #[cfg(feature = "std")]
+                        self.id.store(_id, core::sync::atomic::Ordering::Relaxed);
+                        self.anchor
+                            .store(a.as_ptr(), crate::sync::Ordering::Release);
+                        *state = State::Ready;
+                        a.as_ptr()
+                    }
+                    None => {
+                        *state = State::Failed;
+                        ptr::null_mut()
+                    }
+                }
             }
         })
     }
@@ -446,19 +534,6 @@ fn reentered() -> ! {
     ))
 }
 
-/// First use: reserves the arena and builds the heap in place. Kept out of line so the fast paths do
-/// not carry its large stack frame.
-#[cold]
-#[inline(never)]
-fn init_state(state: &mut State, config: &HostConfig) {
-    if let State::Uninit = state {
-        *state = match Heap::init(config) {
-            Some(h) => State::Ready(h),
-            None => State::Failed,
-        };
-    }
-}
-
 impl Default for GlobalBfc {
     fn default() -> Self {
         Self::new()
@@ -466,8 +541,9 @@ impl Default for GlobalBfc {
 }
 
 impl Heap {
-    /// Reserves the arena and metadata and builds the engine. Allocates nothing.
-    fn init(config: &HostConfig) -> Option<Heap> {
+    /// Reserves the arena and metadata, builds the heap in its anchor (in the metadata reservation)
+    /// and returns the anchor and the heap's id. Allocates nothing.
+    fn init(config: &HostConfig) -> Option<(NonNull<Anchor>, usize)> {
         let page = os::page_size();
         let engine_config = Config::host(0);
         let block = config.granule * engine_config.map_block_granules;
@@ -494,7 +570,9 @@ impl Heap {
             (tcache::TRANSFER_SLOTS * core::mem::size_of::<usize>()).next_multiple_of(page);
         #[cfg(not(feature = "std"))]
         let transfer_bytes = 0;
-        let meta_mapping_size = map_bytes + table_bytes + spans_bytes + transfer_bytes;
+        let anchor_bytes = core::mem::size_of::<Anchor>().next_multiple_of(page);
+        let meta_mapping_size =
+            map_bytes + table_bytes + spans_bytes + transfer_bytes + anchor_bytes;
         let Some(meta_mapping) = os::reserve(meta_mapping_size) else {
             // SAFETY: the arena reservation was just made and is unused.
             unsafe { os::unreserve(arena_mapping, arena_mapping_size) };
@@ -556,7 +634,7 @@ impl Heap {
             Ok(b) => b,
             Err(_) => return None,
         };
-        Some(Heap {
+        let heap = Heap {
             bfc,
             small: SmallHeap::new(arena, spans),
             peak: 0,
@@ -570,11 +648,37 @@ impl Heap {
             #[cfg(feature = "std")]
             caches: 0,
             #[cfg(feature = "std")]
+            fork_gen: fork_generation(),
+            #[cfg(feature = "std")]
             transfer: tcache::Transfer::new(transfer),
             arena_end: arena + arena_size,
             brk: arena,
             page,
-        })
+        };
+        let id = heap.id();
+        let anchor = meta_mapping
+            .as_ptr()
+            .wrapping_add(map_bytes + table_bytes + spans_bytes + transfer_bytes)
+            .cast::<Anchor>();
+        // SAFETY: the anchor area lies inside the fresh metadata reservation, page-aligned (so
+        // aligned for `Anchor`), large enough, and used by nothing else; it stays mapped until
+        // `drop`.
+        unsafe {
+            anchor.write(Anchor {
+                heap: SpinLock::with_reentry_handler(heap, reentered),
+                #[cfg(loom)]
+                dropped: crate::sync::UnmodelledAtomicBool::new(false),
+            })
+        };
+        NonNull::new(anchor).map(|a| (a, id))
+    }
+
+    /// The heap's process-unique id (0 without `std`, which has no thread caches).
+    fn id(&self) -> usize {
+        #[cfg(feature = "std")]
+        return self.id;
+        #[cfg(not(feature = "std"))]
+        return 0;
     }
 
     /// Notes that `ptr..ptr + size` was handed out.
@@ -642,14 +746,17 @@ impl Heap {
         let (cached_bytes, cached_blocks) = self.cached();
         #[cfg(not(feature = "std"))]
         let (cached_bytes, cached_blocks) = (0, 0);
-        s.bytes_in_use -= cached_bytes;
+        // Other threads' counts are read while they run, so a block moving between two caches
+        // during the walk may be counted twice: never underflow.
+        s.bytes_in_use = s.bytes_in_use.saturating_sub(cached_bytes);
         // Blocks in thread caches are free to callers, like the engine's quick lists.
         s.bytes_cached += cached_bytes;
         s.num_cached_chunks += cached_blocks;
         s.peak_bytes_in_use = self.peak;
         s.largest_alloc_size = self.largest;
         s.num_allocs = s.num_allocs - self.span_allocs + self.small.allocs;
-        s.num_chunks_in_use = s.num_chunks_in_use - spans + self.small.objects - cached_blocks;
+        s.num_chunks_in_use =
+            (s.num_chunks_in_use - spans + self.small.objects).saturating_sub(cached_blocks);
         s.metadata_bytes += self.small.metadata_bytes(self.brk);
         s
     }
@@ -864,20 +971,46 @@ impl Drop for GlobalBfc {
         #[cfg(all(feature = "std", loom))]
         let _bindings = (!LOOM_SKIP_DROP_BINDINGS.load(crate::sync::UnmodelledOrdering::Relaxed))
             .then(|| bindings().lock());
-        self.state.0.lock().with(|state| {
-            if let State::Ready(h) = core::mem::replace(state, State::Failed) {
-                #[cfg(feature = "std")]
-                h.for_each_cache(|tc| tc.orphaned.store(true, crate::sync::Ordering::Relaxed));
-                let s = h.bfc.source();
-                // SAFETY: `&mut self` proves no allocation from this allocator is still used through
-                // it (its blocks cannot outlive it), and the heap referencing the mappings is dropped
-                // right after.
-                unsafe {
-                    os::unreserve(s.arena_mapping, s.arena_mapping_size);
-                    os::unreserve(s.meta_mapping, s.meta_mapping_size);
-                }
-            }
+        let a = self
+            .anchor
+            .swap(ptr::null_mut(), crate::sync::Ordering::Acquire);
+        self.state.0.lock().with(|state| *state = State::Failed);
+        if a.is_null() {
+            return;
+        }
+        // SAFETY: the anchor stays valid until the unmapping below.
+        let anchor = unsafe { &*a };
+        let maps = anchor.heap.lock().with(|h| {
+            #[cfg(feature = "std")]
+            h.after_fork();
+            #[cfg(feature = "std")]
+            h.for_each_cache(|tc| tc.orphaned.store(true, crate::sync::Ordering::Relaxed));
+            let s = h.bfc.source();
+            (
+                s.arena_mapping,
+                s.arena_mapping_size,
+                s.meta_mapping,
+                s.meta_mapping_size,
+            )
         });
+        // SAFETY: `&mut self` proves no allocation from this allocator is still used through it
+        // (its blocks cannot outlive it); exiting threads' flushes are excluded by the bindings
+        // lock and skip the orphaned caches; the heap (in the metadata mapping, with no resources
+        // of its own) is not used again.
+        unsafe {
+            os::unreserve(maps.0, maps.1);
+            // Loom builds keep the metadata (and the anchor) mapped so that a model can observe a
+            // flush that comes too late.
+            #[cfg(not(loom))]
+            os::unreserve(maps.2, maps.3);
+        }
+        #[cfg(loom)]
+        {
+            let _ = (maps.2, maps.3);
+            anchor
+                .dropped
+                .store(true, crate::sync::UnmodelledOrdering::Relaxed);
+        }
     }
 }
 
@@ -1081,17 +1214,19 @@ impl GlobalBfc {
             tc.forget();
         }
         tc.owner.set(tcache::BINDING);
+        install_fork_handler();
         // Registering the exit hook may allocate; those calls see `BINDING` and take the lock
         // (which is not held here).
         if !tcache::register_exit_flush() {
             tc.owner.set(tcache::DEAD);
             return None;
         }
-        let me = self as *const GlobalBfc as usize;
         let r = self.with_heap(|h| {
             h.register(tc);
             tc.owner.set(h.id);
-            tc.instance.set(me);
+            // The heap's anchor, which stays put when this `GlobalBfc` moves.
+            tc.instance
+                .set(self.anchor.load(crate::sync::Ordering::Relaxed) as usize);
             tc.arena.set(h.small.arena());
             tc.arena_len.set(h.arena_end - h.small.arena());
             f(h)
@@ -1109,18 +1244,21 @@ fn on_thread_exit(tc: &ThreadCache) {
     if tc.is_bound() {
         bindings().lock().with(|_| {
             if !tc.orphaned.load(crate::sync::Ordering::Relaxed) {
-                // SAFETY: the instance is alive: dropping it marks its caches orphaned under the
-                // bindings lock, which we hold, before it goes away.
-                let a = unsafe { &*(tc.instance.get() as *const GlobalBfc) };
-                let flushed = a.with_heap(|h| {
+                // SAFETY: the heap is alive: dropping its allocator marks its caches orphaned under
+                // the bindings lock, which we hold, before unmapping it; and its anchor does not
+                // move with the allocator.
+                let a = unsafe { &*(tc.instance.get() as *const Anchor) };
+                // The models check that a flush never meets a dropped allocator.
+                #[cfg(loom)]
+                assert!(
+                    !a.dropped.load(crate::sync::UnmodelledOrdering::Relaxed),
+                    "exit flush reached a dropped allocator"
+                );
+                a.heap.lock().with(|h| {
+                    h.after_fork();
                     h.flush_all(tc);
                     h.unregister(tc);
                 });
-                // The models check that a flush never meets a dropped allocator (its state is
-                // `Failed` after `drop`); elsewhere there is nothing to do about it.
-                #[cfg(loom)]
-                assert!(flushed.is_some(), "exit flush reached a dropped allocator");
-                let _ = flushed;
             }
         });
     }
@@ -1140,6 +1278,28 @@ unsafe fn cache_at<'a>(addr: usize) -> &'a ThreadCache {
 
 #[cfg(feature = "std")]
 impl Heap {
+    /// In a fork child only the forking thread survives: the other threads' caches are gone (the
+    /// child loses their blocks) and their storage may be reused by new threads. On the first use
+    /// after a fork the registry keeps only the forking thread's cache, if it serves this heap.
+    fn after_fork(&mut self) {
+        let generation = fork_generation();
+        if generation == self.fork_gen {
+            return;
+        }
+        self.fork_gen = generation;
+        self.caches = 0;
+        #[cfg(not(loom))]
+        {
+            use core::sync::atomic::Ordering::Relaxed;
+            if FORK_SURVIVOR[1].load(Relaxed) == self.id {
+                // SAFETY: the forking thread's cache, alive in the child (it is this process's
+                // original thread of the fork), bound to this heap.
+                let tc = unsafe { cache_at(FORK_SURVIVOR[0].load(Relaxed)) };
+                self.register(tc);
+            }
+        }
+    }
+
     /// Adds `tc` to the registry.
     fn register(&mut self, tc: &ThreadCache) {
         use crate::sync::Ordering::Relaxed;
@@ -1353,7 +1513,9 @@ unsafe impl allocator_api2::alloc::Allocator for GlobalBfc {
         old: Layout,
         new: Layout,
     ) -> Result<NonNull<[u8]>, allocator_api2::alloc::AllocError> {
-        if new.align() > old.align() {
+        // Another alignment may change whether the block is a small one (and a small block must be
+        // freed with a layout of its own class), so it moves.
+        if new.align() != old.align() {
             let fresh = self.allocate(new)?;
             // SAFETY: forwarded contract; the new block is at least `old.size()` bytes.
             unsafe {
@@ -1375,7 +1537,8 @@ unsafe impl allocator_api2::alloc::Allocator for GlobalBfc {
         old: Layout,
         new: Layout,
     ) -> Result<NonNull<[u8]>, allocator_api2::alloc::AllocError> {
-        if new.align() > old.align() {
+        // As in `grow`: another alignment moves the block.
+        if new.align() != old.align() {
             let fresh = self.allocate(new)?;
             // SAFETY: forwarded contract; the new block holds `new.size() <= old.size()` bytes.
             unsafe {

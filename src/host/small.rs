@@ -286,6 +286,7 @@ impl SmallHeap {
     /// Frees the object at `ptr`, which must be of class `c` ([`SmallFree::OtherClass`] if it is
     /// live but of another class; nothing changes then).
     #[inline]
+    #[cfg_attr(not(feature = "std"), allow(dead_code))]
     pub(crate) fn free_of_class(&mut self, ptr: usize, c: usize) -> SmallFree {
         self.free_of(ptr, Some(c))
     }

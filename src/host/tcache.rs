@@ -66,7 +66,8 @@ const MAX_BIN: usize = 128;
 #[cfg(loom)]
 const MAX_BIN: usize = 16;
 
-/// Most blocks class `c`'s stack holds: about [`BIN_BYTES`] of them, between 8 and [`MAX_BIN`].
+/// Most blocks class `c`'s stack holds: about [`BIN_BYTES`] of them, between [`MIN_BIN`] and
+/// [`MAX_BIN`].
 #[inline(always)]
 pub(crate) const fn bin_capacity(c: usize) -> usize {
     CAPACITY[c] as usize
@@ -136,7 +137,8 @@ pub(crate) enum Push {
 pub(crate) struct ThreadCache {
     /// Id of the bound instance, or [`UNBOUND`] / [`BINDING`] / [`DEAD`].
     pub(crate) owner: Cell<usize>,
-    /// The bound instance (`*const GlobalBfc`), for the exit flush.
+    /// The bound instance's heap anchor (`*const Anchor`, fixed while the instance moves), for the
+    /// exit flush.
     pub(crate) instance: Cell<usize>,
     /// The bound instance's arena.
     pub(crate) arena: Cell<usize>,

@@ -1,8 +1,8 @@
-//! talc over a static 1 GiB arena in `.bss` (pages are committed only when touched), as its docs
+//! talc over a static 1.5 GiB arena in `.bss` (pages are committed only when touched), as its docs
 //! show for hosted programs.
 use talc::{ClaimOnOom, Span, Talc, Talck};
 
-const ARENA_SIZE: usize = 1 << 30;
+const ARENA_SIZE: usize = 3 << 29;
 static mut ARENA: [u8; ARENA_SIZE] = [0; ARENA_SIZE];
 
 #[global_allocator]
