@@ -50,6 +50,15 @@ fn free(a: &GlobalBfc, block: (usize, Layout)) {
     unsafe { a.dealloc(block.0 as *mut u8, block.1) };
 }
 
+/// Frees the remaining blocks; then nothing is in use and the invariants hold.
+fn free_all_and_check(a: &GlobalBfc, blocks: impl IntoIterator<Item = (usize, Layout)>) {
+    for b in blocks {
+        free(a, b);
+    }
+    assert_eq!(a.stats().bytes_in_use, 0);
+    a.check().expect("heap invariants");
+}
+
 /// Model 1: two threads allocating and freeing through the locked allocator (small blocks through the
 /// slab layer and larger ones through the engine): no two live blocks overlap, and the invariant
 /// checker passes at the end.
@@ -76,11 +85,7 @@ fn concurrent_alloc_free_never_overlaps() {
             assert_tagged(b, t as u8 + 11);
         }
         a.check().expect("heap invariants");
-        for b in kept {
-            free(&a, b);
-        }
-        assert_eq!(a.stats().bytes_in_use, 0);
-        a.check().expect("heap invariants");
+        free_all_and_check(&a, kept);
     });
 }
 
@@ -105,10 +110,7 @@ fn lazy_initialisation_happens_once() {
         assert_ne!(blocks[0].0, blocks[1].0);
         assert_tagged(blocks[0], 1);
         assert_tagged(blocks[1], 2);
-        for b in blocks {
-            free(&a, b);
-        }
-        a.check().expect("heap invariants");
+        free_all_and_check(&a, blocks);
     });
 }
 
@@ -144,10 +146,7 @@ fn stats_stay_consistent_with_live_blocks() {
         );
         let after = a.stats();
         assert_eq!((after.bytes_in_use, after.num_chunks_in_use), (s1 + s2, 2));
-        free(&a, first);
-        free(&a, second);
-        assert_eq!(a.stats().bytes_in_use, 0);
-        a.check().expect("heap invariants");
+        free_all_and_check(&a, [first, second]);
     });
 }
 

@@ -88,3 +88,20 @@ pub(crate) fn spin_wait(spins: &mut u32) {
         }
     }
 }
+
+/// Defines a function that is `const` except under loom, whose atomics cannot be built in a `const`
+/// context: one body for both builds.
+#[allow(unused_macros)]
+macro_rules! const_unless_loom {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty $body:block) => {
+        #[cfg(not(loom))]
+        $(#[$m])*
+        $vis const fn $name($($arg: $ty),*) -> $ret $body
+
+        #[cfg(loom)]
+        $(#[$m])*
+        $vis fn $name($($arg: $ty),*) -> $ret $body
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use const_unless_loom;

@@ -7,28 +7,9 @@ use bfc_alloc::core::sim::SimSource;
 use bfc_alloc::core::{AllocError, Bfc, Chunk, Config, Resize};
 use proptest::prelude::*;
 
-#[derive(Clone, Debug)]
-enum Op {
-    Alloc { size: usize, align_log2: u32 },
-    Free { pick: usize },
-    Resize { pick: usize, size: usize },
-}
-
-/// Sizes log-uniform from 1 byte to 4 MiB.
-fn size() -> impl Strategy<Value = usize> {
-    (0u32..22, any::<u32>()).prop_map(|(bits, r)| {
-        let lo = 1usize << bits;
-        lo + (r as usize % lo)
-    })
-}
-
-fn op() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        4 => (size(), 0u32..=20).prop_map(|(size, align_log2)| Op::Alloc { size, align_log2 }),
-        3 => any::<usize>().prop_map(|pick| Op::Free { pick }),
-        2 => (any::<usize>(), size()).prop_map(|(pick, size)| Op::Resize { pick, size }),
-    ]
-}
+#[path = "common/ops.rs"]
+mod ops;
+use ops::Op;
 
 fn run(config: Config, ops: Vec<Op>) {
     let source = SimSource::new(1 << 44, 1 << 40);
@@ -112,12 +93,12 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
-    fn host_config_random_ops(ops in prop::collection::vec(op(), 1..if cfg!(miri) { 40 } else { 400 })) {
+    fn host_config_random_ops(ops in prop::collection::vec(ops::op(22, 2), 1..if cfg!(miri) { 40 } else { 400 })) {
         run(Config::host(1 << 32), ops);
     }
 
     #[test]
-    fn device_config_with_growth_and_limit(ops in prop::collection::vec(op(), 1..if cfg!(miri) { 40 } else { 400 })) {
+    fn device_config_with_growth_and_limit(ops in prop::collection::vec(ops::op(22, 2), 1..if cfg!(miri) { 40 } else { 400 })) {
         let mut c = Config::device(256 << 20);
         c.initial_region_size = 1 << 20;
         run(c, ops);

@@ -8,28 +8,9 @@ use std::collections::BTreeMap;
 use bfc_alloc::{GlobalBfc, HostConfig};
 use proptest::prelude::*;
 
-#[derive(Clone, Debug)]
-enum Op {
-    Alloc { size: usize, align_log2: u32 },
-    Free { pick: usize },
-    Realloc { pick: usize, size: usize },
-}
-
-/// Sizes log-uniform from 1 byte to 2 MiB (both the slab layer and the engine).
-fn size() -> impl Strategy<Value = usize> {
-    (0u32..21, any::<u32>()).prop_map(|(bits, r)| {
-        let lo = 1usize << bits;
-        lo + (r as usize % lo)
-    })
-}
-
-fn op() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        4 => (size(), 0u32..=20).prop_map(|(size, align_log2)| Op::Alloc { size, align_log2 }),
-        3 => any::<usize>().prop_map(|pick| Op::Free { pick }),
-        3 => (any::<usize>(), size()).prop_map(|(pick, size)| Op::Realloc { pick, size }),
-    ]
-}
+#[path = "common/ops.rs"]
+mod ops;
+use ops::Op;
 
 /// The byte block `tag` holds at offset `i`.
 fn pattern(tag: u32, i: usize) -> u8 {
@@ -93,7 +74,7 @@ fn run(ops: Vec<Op>) {
                 // SAFETY: allocated by `a` with `l`, freed once.
                 unsafe { a.dealloc(p as *mut u8, l) };
             }
-            Op::Realloc { pick, size } => {
+            Op::Resize { pick, size } => {
                 if live.is_empty() {
                     continue;
                 }
@@ -141,7 +122,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
-    fn random_ops_keep_contents_and_alignment(ops in prop::collection::vec(op(), 1..300)) {
+    fn random_ops_keep_contents_and_alignment(ops in prop::collection::vec(ops::op(21, 3), 1..300)) {
         run(ops);
     }
 }

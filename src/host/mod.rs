@@ -329,11 +329,25 @@ enum State {
 /// address stays fixed while the `GlobalBfc` moves (a value used through `Allocator` may be moved
 /// with its collection): thread caches and their exit flushes refer to it.
 struct Anchor {
+    /// Taken through [`Anchor::with`] only.
     heap: SpinLock<Heap>,
     /// Set when the allocator was dropped (loom builds, where the reservation is kept so that the
     /// models can see a flush that comes too late).
     #[cfg(loom)]
     dropped: crate::sync::UnmodelledAtomicBool,
+}
+
+impl Anchor {
+    /// Runs `f` on the heap under its lock. Every use goes through here, so the first one after a
+    /// `fork` repairs the cache registry (see `Heap::after_fork`).
+    #[inline]
+    fn with<R>(&self, f: impl FnOnce(&mut Heap) -> R) -> R {
+        self.heap.lock().with(|h| {
+            #[cfg(feature = "std")]
+            h.after_fork();
+            f(h)
+        })
+    }
 }
 
 /// A `#[global_allocator]`: the BFC engine over a lazily reserved arena, behind a spinlock.
@@ -362,42 +376,28 @@ pub struct GlobalBfc {
 }
 
 impl GlobalBfc {
-    /// An allocator with [`HostConfig::DEFAULT`]. Reserves nothing until first used.
-    #[cfg(not(loom))]
-    pub const fn new() -> Self {
-        Self::with_config(HostConfig::DEFAULT)
-    }
-
-    /// An allocator with `config` (checked at compile time in a `static`).
-    #[cfg(not(loom))]
-    pub const fn with_config(config: HostConfig) -> Self {
-        config.validate();
-        GlobalBfc {
-            config,
-            #[cfg(feature = "std")]
-            id: core::sync::atomic::AtomicUsize::new(0),
-            anchor: crate::sync::AtomicPtr::new(ptr::null_mut()),
-            state: CacheLine(SpinLock::with_reentry_handler(State::Uninit, reentered)),
+    crate::sync::const_unless_loom! {
+        /// An allocator with [`HostConfig::DEFAULT`]. Reserves nothing until first used. (`const`
+        /// except in loom builds.)
+        pub fn new() -> Self {
+            Self::with_config(HostConfig::DEFAULT)
         }
     }
 
-    /// An allocator with [`HostConfig::DEFAULT`] (loom build: not `const`).
-    #[cfg(loom)]
-    pub fn new() -> Self {
-        Self::with_config(HostConfig::DEFAULT)
-    }
-
-    /// An allocator with `config` (loom build: not `const`).
-    #[cfg(loom)]
-    pub fn with_config(config: HostConfig) -> Self {
-        config.validate();
-        GlobalBfc {
-            config,
-            #[cfg(feature = "std")]
-            id: core::sync::atomic::AtomicUsize::new(0),
-            anchor: crate::sync::AtomicPtr::new(ptr::null_mut()),
-            state: CacheLine(SpinLock::with_reentry_handler(State::Uninit, reentered)),
-            inits: crate::sync::UnmodelledAtomicUsize::new(0),
+    crate::sync::const_unless_loom! {
+        /// An allocator with `config` (checked at compile time in a `static`; `const` except in
+        /// loom builds).
+        pub fn with_config(config: HostConfig) -> Self {
+            config.validate();
+            GlobalBfc {
+                config,
+                #[cfg(feature = "std")]
+                id: core::sync::atomic::AtomicUsize::new(0),
+                anchor: crate::sync::AtomicPtr::new(ptr::null_mut()),
+                state: CacheLine(SpinLock::with_reentry_handler(State::Uninit, reentered)),
+                #[cfg(loom)]
+                inits: crate::sync::UnmodelledAtomicUsize::new(0),
+            }
         }
     }
 
@@ -444,11 +444,7 @@ impl GlobalBfc {
     /// allocator). Returns how many blocks went back. Threads flush automatically when they exit.
     #[cfg(feature = "std")]
     pub fn flush_thread_cache(&self) -> usize {
-        let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
-        tcache::with(|tc| {
-            if tc.owner.get() != id {
-                return 0;
-            }
+        self.bound_cache(|tc| {
             let n = tc.held().1;
             self.with_heap(|h| h.flush_all(tc));
             n
@@ -459,8 +455,16 @@ impl GlobalBfc {
     /// Bytes in the calling thread's cache for this allocator.
     #[cfg(feature = "std")]
     pub fn thread_cache_bytes(&self) -> usize {
+        self.bound_cache(|tc| tc.held().0).unwrap_or(0)
+    }
+
+    /// Runs `f` on the calling thread's cache if it serves this allocator (the fast paths' test:
+    /// one thread-local load and one compare).
+    #[cfg(feature = "std")]
+    #[inline(always)]
+    fn bound_cache<R>(&self, f: impl FnOnce(&ThreadCache) -> R) -> Option<R> {
         let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
-        tcache::with(|tc| if tc.owner.get() == id { tc.held().0 } else { 0 }).unwrap_or(0)
+        tcache::with(|tc| (tc.owner.get() == id).then(|| f(tc))).flatten()
     }
 
     /// Size of the reserved arena (0 before first use or if it could not be reserved).
@@ -486,11 +490,7 @@ impl GlobalBfc {
         // SAFETY: a non-null anchor was published (with release) after being written, and stays
         // valid until `drop`, which needs `&mut self`.
         let anchor = unsafe { &*a };
-        Some(anchor.heap.lock().with(|h| {
-            #[cfg(feature = "std")]
-            h.after_fork();
-            f(h)
-        }))
+        Some(anchor.with(f))
     }
 
     /// First use: reserves the arena and builds the heap (once; racing callers wait). Returns the
@@ -980,9 +980,7 @@ impl Drop for GlobalBfc {
         }
         // SAFETY: the anchor stays valid until the unmapping below.
         let anchor = unsafe { &*a };
-        let maps = anchor.heap.lock().with(|h| {
-            #[cfg(feature = "std")]
-            h.after_fork();
+        let maps = anchor.with(|h| {
             #[cfg(feature = "std")]
             h.for_each_cache(|tc| tc.orphaned.store(true, crate::sync::Ordering::Relaxed));
             let s = h.bfc.source();
@@ -1071,11 +1069,7 @@ unsafe impl GlobalAlloc for GlobalBfc {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         #[cfg(feature = "std")]
         if let Some(c) = small::class_for(layout.size(), layout.align()) {
-            let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
-            let done = tcache::with(|tc| {
-                tc.owner.get() == id && matches!(tc.push(c, ptr as usize), tcache::Push::Done)
-            });
-            if done != Some(true) {
+            if self.bound_cache(|tc| tc.push(c, ptr as usize)) != Some(true) {
                 self.free_small_slow(ptr, c);
             }
             return;
@@ -1086,41 +1080,31 @@ unsafe impl GlobalAlloc for GlobalBfc {
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let align = layout.align();
+        // A small block the thread's cache vouches for stays in place within its class or moves
+        // through the fast paths; anything else takes the step under the lock (which checks it).
         #[cfg(feature = "std")]
-        if let Some(c) = small::class_for(layout.size(), align) {
-            let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
-            let plausible =
-                tcache::with(|tc| tc.owner.get() == id && tc.plausible(c, ptr as usize));
-            if plausible == Some(true) {
-                if small::class_for(new_size, align) == Some(c) {
-                    return ptr;
-                }
-                // SAFETY: forwarded contract: `new_size`, rounded up to `align`, fits an `isize`.
-                let new = unsafe {
-                    GlobalAlloc::alloc(self, Layout::from_size_align_unchecked(new_size, align))
-                };
-                if !new.is_null() {
-                    // SAFETY: both blocks are live, distinct, and hold at least the copied length;
-                    // `ptr` is freed once, with its layout.
-                    unsafe {
-                        ptr::copy_nonoverlapping(ptr, new, layout.size().min(new_size));
-                        GlobalAlloc::dealloc(self, ptr, layout);
-                    }
-                }
-                return new;
-            }
-        }
-        let outcome = self.with_heap(|h| h.realloc_step(ptr, align, new_size));
-        let new = match outcome {
-            Some(p) => p,
-            None => os::fatal(format_args!(
-                "realloc of pointer {ptr:p} but the heap was never initialised"
-            )),
+        let fast = small::class_for(layout.size(), align)
+            .filter(|&c| self.bound_cache(|tc| tc.plausible(c, ptr as usize)) == Some(true));
+        #[cfg(not(feature = "std"))]
+        let fast: Option<usize> = None;
+        let new = match fast {
+            Some(c) if small::class_for(new_size, align) == Some(c) => return ptr,
+            // SAFETY: forwarded contract: `new_size`, rounded up to `align`, fits an `isize`.
+            Some(_) => unsafe {
+                GlobalAlloc::alloc(self, Layout::from_size_align_unchecked(new_size, align))
+            },
+            None => match self.with_heap(|h| h.realloc_step(ptr, align, new_size)) {
+                Some(p) => p,
+                None => os::fatal(format_args!(
+                    "realloc of pointer {ptr:p} but the heap was never initialised"
+                )),
+            },
         };
         if new.is_null() || new == ptr {
             return new;
         }
-        // SAFETY: both blocks are live, distinct, and hold at least the copied length.
+        // SAFETY: both blocks are live, distinct, and hold at least the copied length; `ptr` is
+        // freed once, with its layout.
         unsafe {
             ptr::copy_nonoverlapping(ptr, new, layout.size().min(new_size));
             self.dealloc(ptr, layout);
@@ -1153,16 +1137,9 @@ impl GlobalBfc {
     #[cfg(feature = "std")]
     #[inline(always)]
     fn alloc_small(&self, c: usize) -> *mut u8 {
-        let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
-        match tcache::with(|tc| {
-            if tc.owner.get() == id {
-                tc.pop(c)
-            } else {
-                None
-            }
-        }) {
-            Some(Some(p)) => p as *mut u8,
-            _ => self.alloc_small_slow(c),
+        match self.bound_cache(|tc| tc.pop(c)).flatten() {
+            Some(p) => p as *mut u8,
+            None => self.alloc_small_slow(c),
         }
     }
 
@@ -1254,8 +1231,7 @@ fn on_thread_exit(tc: &ThreadCache) {
                     !a.dropped.load(crate::sync::UnmodelledOrdering::Relaxed),
                     "exit flush reached a dropped allocator"
                 );
-                a.heap.lock().with(|h| {
-                    h.after_fork();
+                a.with(|h| {
                     h.flush_all(tc);
                     h.unregister(tc);
                 });
@@ -1358,24 +1334,16 @@ impl Heap {
         // gets them in that order too (consecutive allocations stay adjacent in memory).
         let mut got = [0usize; tcache::MAX_BATCH + 1];
         let mut n = 0;
-        if self.transfer.count(c) > 0 {
-            // Blocks another thread's cache gave back: hand them over as they are.
-            while n <= tcache::batch(c) {
-                let Some(p) = self.transfer.pop(c) else { break };
-                got[n] = p;
-                n += 1;
-            }
-            for &p in got[1..n].iter().rev() {
-                tc.fill(c, p);
-            }
-            return got[0] as *mut u8;
-        }
         while n <= tcache::batch(c) {
-            let p = match self.small.alloc(c) {
+            // Blocks another thread's cache gave back first, then the slab layer.
+            let p = match self.transfer.pop(c) {
                 Some(p) => p,
-                None => match self.small_refill(c) {
+                None => match self.small.alloc(c) {
                     Some(p) => p,
-                    None => break,
+                    None => match self.small_refill(c) {
+                        Some(p) => p,
+                        None => break,
+                    },
                 },
             };
             got[n] = p;
@@ -1416,15 +1384,13 @@ impl Heap {
     /// Frees a cached block of class `c` into the slab layer, aborting if it is not a live object
     /// of that class.
     fn free_to_slab(&mut self, p: usize, c: usize) {
-        {
-            match self.small.free_of_class(p, c) {
-                SmallFree::Freed(None) => {}
-                SmallFree::Freed(Some(span)) => self.free_engine(span),
-                SmallFree::OtherClass | SmallFree::NotSmall => os::fatal(format_args!(
-                    "free of pointer {p:#x} with a layout whose size class is not the block's"
-                )),
-                e => small_error(p, e, ""),
-            }
+        match self.small.free_of_class(p, c) {
+            SmallFree::Freed(None) => {}
+            SmallFree::Freed(Some(span)) => self.free_engine(span),
+            SmallFree::OtherClass | SmallFree::NotSmall => os::fatal(format_args!(
+                "free of pointer {p:#x} with a layout whose size class is not the block's"
+            )),
+            e => small_error(p, e, ""),
         }
     }
 

@@ -124,15 +124,6 @@ pub(crate) const fn batch(c: usize) -> usize {
     bin_capacity(c) / 2
 }
 
-/// What a free into the cache did.
-pub(crate) enum Push {
-    /// The block is on the stack.
-    Done,
-    /// Take the slow path: the stack is full, the block is not plainly a small block of the
-    /// instance, or it is the block on top of the stack (freed twice in a row).
-    Slow,
-}
-
 /// One thread's cache. See the module docs.
 pub(crate) struct ThreadCache {
     /// Id of the bound instance, or [`UNBOUND`] / [`BINDING`] / [`DEAD`].
@@ -157,33 +148,20 @@ pub(crate) struct ThreadCache {
 }
 
 impl ThreadCache {
-    #[cfg(not(loom))]
-    pub(crate) const fn new() -> Self {
-        ThreadCache {
-            owner: Cell::new(UNBOUND),
-            instance: Cell::new(0),
-            arena: Cell::new(0),
-            arena_len: Cell::new(0),
-            orphaned: AtomicBool::new(false),
-            prev: AtomicUsize::new(0),
-            next: AtomicUsize::new(0),
-            counts: [const { AtomicU32::new(0) }; NUM_CLASSES],
-            slots: [const { Cell::new(0) }; SLOTS],
-        }
-    }
-
-    #[cfg(loom)]
-    pub(crate) fn new() -> Self {
-        ThreadCache {
-            owner: Cell::new(UNBOUND),
-            instance: Cell::new(0),
-            arena: Cell::new(0),
-            arena_len: Cell::new(0),
-            orphaned: AtomicBool::new(false),
-            prev: AtomicUsize::new(0),
-            next: AtomicUsize::new(0),
-            counts: [const { AtomicU32::new(0) }; NUM_CLASSES],
-            slots: [const { Cell::new(0) }; SLOTS],
+    crate::sync::const_unless_loom! {
+        /// An unbound, empty cache.
+        pub(crate) fn new() -> Self {
+            ThreadCache {
+                owner: Cell::new(UNBOUND),
+                instance: Cell::new(0),
+                arena: Cell::new(0),
+                arena_len: Cell::new(0),
+                orphaned: AtomicBool::new(false),
+                prev: AtomicUsize::new(0),
+                next: AtomicUsize::new(0),
+                counts: [const { AtomicU32::new(0) }; NUM_CLASSES],
+                slots: [const { Cell::new(0) }; SLOTS],
+            }
         }
     }
 
@@ -226,19 +204,21 @@ impl ThreadCache {
         Some(p)
     }
 
-    /// Pushes a block the caller frees, unless the slow path must see it (owner thread only).
+    /// Pushes a block the caller frees (owner thread only). `false` (nothing changed) when the slow
+    /// path must see it: the stack is full, the block is not plainly a small block of the
+    /// instance, or it is the block on top of the stack (freed twice in a row).
     #[inline(always)]
-    pub(crate) fn push(&self, c: usize, p: usize) -> Push {
+    pub(crate) fn push(&self, c: usize, p: usize) -> bool {
         let n = self.count(c);
         if n >= bin_capacity(c)
             || !self.plausible(c, p)
             || (n > 0 && self.slot(c, n - 1).get() == p)
         {
-            return Push::Slow;
+            return false;
         }
         self.slot(c, n).set(p);
         self.set_count(c, n + 1);
-        Push::Done
+        true
     }
 
     /// Whether `p` could be a class `c` object of the bound instance: inside its arena, at an object
