@@ -146,6 +146,23 @@ impl<T> SpinLock<T> {
         }
     }
 
+    /// Acquires the lock and keeps it with no guard: a `fork` prepare handler holds the heap locks
+    /// across the `fork` this way. Release it with [`SpinLock::unlock_held`].
+    #[cfg(all(feature = "host", not(loom)))]
+    pub(crate) fn lock_held(&self) {
+        core::mem::forget(self.lock());
+    }
+
+    /// Releases a lock taken with [`SpinLock::lock_held`].
+    ///
+    /// # Safety
+    /// The calling thread (or, in a `fork` child, the thread that forked) took the lock with
+    /// [`SpinLock::lock_held`] and has not released it since.
+    #[cfg(all(feature = "host", not(loom)))]
+    pub(crate) unsafe fn unlock_held(&self) {
+        drop(SpinGuard { lock: self });
+    }
+
     /// Acquires the lock if it is free.
     #[inline]
     pub fn try_lock(&self) -> Option<SpinGuard<'_, T>> {

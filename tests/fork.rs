@@ -1,11 +1,14 @@
-//! `fork()` in a process whose threads hold thread caches: the child's first use rebuilds the cache
-//! registry, so new threads in the child can bind caches and `stats()` walks a sane registry. (The
-//! parent's other threads are idle at the fork: a thread holding the heap lock at the fork would
-//! still deadlock the child, as the docs say.) Its own binary: no other test may allocate during
-//! the fork.
+//! `fork()` in a process whose threads use the allocator:
+//! - the child's first use rebuilds the cache registry, so new threads in the child can bind caches
+//!   and `stats()` walks a sane registry;
+//! - a fork while other threads are inside the allocator (holding its lock) leaves the child able to
+//!   allocate: the atfork handlers hold every heap lock across the fork.
+//!
+//! Its own binary, so that only these tests' threads run during the forks.
 
 use std::hint::black_box;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 
 use bfc_alloc::GlobalBfc;
 
@@ -80,5 +83,64 @@ fn fork_with_thread_caches_keeps_the_registry_sane() {
         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
         "child failed or hung (status {status:#x})"
     );
+    A.check().unwrap();
+}
+
+/// Engine-path and slab-path traffic that keeps the heap lock busy: large blocks (always locked),
+/// small ones, and explicit cache flushes (which take the lock for a whole batch).
+fn locked_traffic(seed: usize) -> usize {
+    let big: Vec<Vec<u8>> = (0..4)
+        .map(|i| vec![i as u8; 64 * 1024 + (seed * 4099 + i * 8191) % (512 * 1024)])
+        .collect();
+    let small = small_traffic(seed);
+    A.flush_thread_cache();
+    big.iter().map(Vec::len).sum::<usize>() + small
+}
+
+#[test]
+fn fork_while_other_threads_hold_the_heap_lock() {
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..2)
+        .map(|t| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut i = t;
+                while !stop.load(Ordering::Relaxed) {
+                    black_box(locked_traffic(i));
+                    i += 2;
+                }
+            })
+        })
+        .collect();
+    // Let the workers get going.
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    for round in 0..100 {
+        // SAFETY: the child only runs code below and leaves with `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // Child: a heap lock inherited in the held state would hang here; the alarm kills it.
+            // SAFETY: plain libc calls.
+            unsafe { libc::alarm(10) };
+            let ok = std::panic::catch_unwind(|| {
+                black_box(locked_traffic(round));
+                A.check().unwrap();
+            })
+            .is_ok();
+            // SAFETY: leaves the child at once, without running the parent's exit handlers.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "child {round} failed or hung (status {status:#x})"
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join().unwrap();
+    }
     A.check().unwrap();
 }

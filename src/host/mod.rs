@@ -55,6 +55,15 @@
 //! Out of memory (including requests larger than the arena) returns null. Freeing a pointer the
 //! allocator does not own, a double free, or a pointer into the middle of a block aborts the process
 //! with a message naming the problem; the heap is never silently corrupted.
+//!
+//! # `fork`
+//!
+//! A `pthread_atfork` handler (installed with the first heap) takes every heap's lock before a
+//! `fork` and releases it in both processes afterwards, so the child can allocate even when another
+//! thread was inside the allocator at the moment of the fork. In the child the other threads'
+//! cached blocks are lost (their threads do not exist there), and the first use rebuilds the cache
+//! registry. A `fork` during an allocator's first-use initialisation on another thread is not
+//! covered.
 
 mod os;
 mod small;
@@ -254,28 +263,112 @@ static FORK_SURVIVOR: [core::sync::atomic::AtomicUsize; 2] = [
     core::sync::atomic::AtomicUsize::new(0),
 ];
 
-#[cfg(all(feature = "std", not(loom)))]
-extern "C" fn after_fork_in_child() {
+/// Every live heap's anchor, linked through `Anchor::next` and changed only under this lock, so
+/// that a `fork` can hold every heap lock across it.
+#[cfg(not(loom))]
+static HEAPS: SpinLock<()> = SpinLock::new(());
+/// Head of that list (an anchor's address, 0 for none).
+#[cfg(not(loom))]
+static HEAP_LIST: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
+
+/// Calls `f` on every heap on the list. The caller holds [`HEAPS`] (or is a `fork` handler, whose
+/// prepare step took it).
+#[cfg(not(loom))]
+fn for_each_heap(mut f: impl FnMut(&Anchor)) {
     use core::sync::atomic::Ordering::Relaxed;
-    let (addr, owner) = tcache::with(|tc| (tc as *const ThreadCache as usize, tc.owner.get()))
-        .unwrap_or((0, tcache::UNBOUND));
-    FORK_SURVIVOR[0].store(addr, Relaxed);
-    FORK_SURVIVOR[1].store(owner, Relaxed);
-    FORK_GEN.fetch_add(1, Relaxed);
+    let mut a = HEAP_LIST.load(Relaxed);
+    while a != 0 {
+        // SAFETY: anchors leave the list (under `HEAPS`, held by the caller) before they are
+        // unmapped.
+        let anchor = unsafe { &*(a as *const Anchor) };
+        f(anchor);
+        a = anchor.next.load(Relaxed);
+    }
 }
 
-/// Installs the fork handler once.
-#[cfg(feature = "std")]
-fn install_fork_handler() {
-    #[cfg(not(loom))]
-    {
-        static INSTALLED: core::sync::atomic::AtomicBool =
-            core::sync::atomic::AtomicBool::new(false);
-        if !INSTALLED.swap(true, core::sync::atomic::Ordering::Relaxed) {
-            // SAFETY: registers a handler that only touches atomics and this thread's cache.
-            unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
-        }
+/// `fork` prepare handler: takes the bindings lock, the heap list's lock and every heap lock, in the
+/// order the rest of the crate takes them, so that the child inherits no lock held by a thread it
+/// does not have. (An allocation that needs a heap lock, made on this thread by a prepare handler
+/// that runs after this one, aborts with the re-entry message instead of hanging.)
+#[cfg(not(loom))]
+extern "C" fn fork_prepare() {
+    #[cfg(feature = "std")]
+    bindings().lock_held();
+    HEAPS.lock_held();
+    for_each_heap(|a| a.heap.lock_held());
+}
+
+/// Releases what [`fork_prepare`] took, in the parent and in the child.
+#[cfg(not(loom))]
+fn fork_release() {
+    // SAFETY: `fork_prepare` took each of these locks on this thread (in the child: on the thread
+    // that forked, which is this one), and nothing released them since.
+    unsafe {
+        for_each_heap(|a| a.heap.unlock_held());
+        HEAPS.unlock_held();
+        #[cfg(feature = "std")]
+        bindings().unlock_held();
     }
+}
+
+#[cfg(not(loom))]
+extern "C" fn fork_parent() {
+    fork_release();
+}
+
+/// In the child, also records the one thread cache that survives (see `Heap::after_fork`).
+#[cfg(not(loom))]
+extern "C" fn fork_child() {
+    #[cfg(feature = "std")]
+    {
+        use core::sync::atomic::Ordering::Relaxed;
+        let (addr, owner) = tcache::with(|tc| (tc as *const ThreadCache as usize, tc.owner.get()))
+            .unwrap_or((0, tcache::UNBOUND));
+        FORK_SURVIVOR[0].store(addr, Relaxed);
+        FORK_SURVIVOR[1].store(owner, Relaxed);
+        FORK_GEN.fetch_add(1, Relaxed);
+    }
+    fork_release();
+}
+
+/// Puts a new heap on the list and installs the `fork` handlers (once).
+#[cfg(not(loom))]
+fn link_heap(anchor: &Anchor) {
+    use core::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    HEAPS.lock().with(|_| {
+        anchor.next.store(HEAP_LIST.load(Relaxed), Relaxed);
+        HEAP_LIST.store(anchor as *const Anchor as usize, Relaxed);
+    });
+    static INSTALLED: AtomicBool = AtomicBool::new(false);
+    if !INSTALLED.swap(true, Relaxed) {
+        // SAFETY: registers handlers that take and release this crate's locks and touch atomics
+        // and this thread's cache; none of them allocates.
+        unsafe { libc::pthread_atfork(Some(fork_prepare), Some(fork_parent), Some(fork_child)) };
+    }
+}
+
+/// Takes a heap off the list (before its memory is unmapped).
+#[cfg(not(loom))]
+fn unlink_heap(anchor: &Anchor) {
+    use core::sync::atomic::Ordering::Relaxed;
+    let me = anchor as *const Anchor as usize;
+    HEAPS.lock().with(|_| {
+        let next = anchor.next.load(Relaxed);
+        if HEAP_LIST.load(Relaxed) == me {
+            HEAP_LIST.store(next, Relaxed);
+            return;
+        }
+        let mut prev = HEAP_LIST.load(Relaxed);
+        while prev != 0 {
+            // SAFETY: a listed anchor, under `HEAPS`.
+            let p = unsafe { &*(prev as *const Anchor) };
+            if p.next.load(Relaxed) == me {
+                p.next.store(next, Relaxed);
+                return;
+            }
+            prev = p.next.load(Relaxed);
+        }
+    });
 }
 
 /// The current fork generation (always 0 under loom, which has no fork).
@@ -331,6 +424,9 @@ enum State {
 struct Anchor {
     /// Taken through [`Anchor::with`] only.
     heap: SpinLock<Heap>,
+    /// The next heap on the list of live heaps (see [`HEAPS`]).
+    #[cfg(not(loom))]
+    next: core::sync::atomic::AtomicUsize,
     /// Set when the allocator was dropped (loom builds, where the reservation is kept so that the
     /// models can see a flush that comes too late).
     #[cfg(loom)]
@@ -508,6 +604,9 @@ impl GlobalBfc {
                     .fetch_add(1, crate::sync::UnmodelledOrdering::Relaxed);
                 match Heap::init(&self.config) {
                     Some((a, _id)) => {
+                        // SAFETY: the anchor was just built and stays mapped until `drop`.
+                        #[cfg(not(loom))]
+                        link_heap(unsafe { a.as_ref() });
                         #[cfg(feature = "std")]
                         self.id.store(_id, core::sync::atomic::Ordering::Relaxed);
                         self.anchor
@@ -666,6 +765,8 @@ impl Heap {
         unsafe {
             anchor.write(Anchor {
                 heap: SpinLock::with_reentry_handler(heap, reentered),
+                #[cfg(not(loom))]
+                next: core::sync::atomic::AtomicUsize::new(0),
                 #[cfg(loom)]
                 dropped: crate::sync::UnmodelledAtomicBool::new(false),
             })
@@ -991,6 +1092,8 @@ impl Drop for GlobalBfc {
                 s.meta_mapping_size,
             )
         });
+        #[cfg(not(loom))]
+        unlink_heap(anchor);
         // SAFETY: `&mut self` proves no allocation from this allocator is still used through it
         // (its blocks cannot outlive it); exiting threads' flushes are excluded by the bindings
         // lock and skip the orphaned caches; the heap (in the metadata mapping, with no resources
@@ -1191,7 +1294,6 @@ impl GlobalBfc {
             tc.forget();
         }
         tc.owner.set(tcache::BINDING);
-        install_fork_handler();
         // Registering the exit hook may allocate; those calls see `BINDING` and take the lock
         // (which is not held here).
         if !tcache::register_exit_flush() {
