@@ -2,7 +2,8 @@
 //! - the child's first use rebuilds the cache registry, so new threads in the child can bind caches
 //!   and `stats()` walks a sane registry;
 //! - a fork while other threads are inside the allocator (holding its lock) leaves the child able to
-//!   allocate: the atfork handlers hold every heap lock across the fork.
+//!   allocate: the atfork handlers hold every heap lock across the fork;
+//! - a fork while another thread initialises an instance leaves that instance usable in the child.
 //!
 //! Its own binary, so that only these tests' threads run during the forks.
 
@@ -143,4 +144,75 @@ fn fork_while_other_threads_hold_the_heap_lock() {
         w.join().unwrap();
     }
     A.check().unwrap();
+}
+
+#[test]
+fn fork_during_first_use_initialisation() {
+    use std::alloc::{GlobalAlloc, Layout};
+    use std::sync::atomic::AtomicUsize;
+    const N: usize = 2000;
+    let config = bfc_alloc::HostConfig {
+        arena_size: 64 << 20,
+        min_arena_size: 64 << 20,
+        chunk_capacity: 1 << 12,
+        ..bfc_alloc::HostConfig::DEFAULT
+    };
+    let allocators: Arc<Vec<GlobalBfc>> =
+        Arc::new((0..N).map(|_| GlobalBfc::with_config(config)).collect());
+    let layout = Layout::from_size_align(64, 8).unwrap();
+    let use_one = move |a: &GlobalBfc| {
+        // SAFETY: a non-zero layout; the block is freed with it at once.
+        unsafe {
+            let p = a.alloc(layout);
+            assert!(!p.is_null());
+            a.dealloc(p, layout);
+        }
+    };
+    // A worker initialises the instances one after another (publishing which one it is at) while
+    // this thread forks.
+    let progress = Arc::new(AtomicUsize::new(0));
+    let worker = {
+        let (allocators, progress) = (allocators.clone(), progress.clone());
+        std::thread::spawn(move || {
+            for (i, a) in allocators.iter().enumerate() {
+                progress.store(i, Ordering::SeqCst);
+                use_one(a);
+            }
+        })
+    };
+    let mut forks = 0;
+    while !worker.is_finished() || forks == 0 {
+        // SAFETY: the child only runs code below and leaves with `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // Child: the instances around the worker's position at the fork, one of which may have
+            // been mid-initialisation. One whose initialisation lock was held at the fork would
+            // hang here (the alarm kills the child then).
+            // SAFETY: plain libc calls.
+            unsafe { libc::alarm(10) };
+            let at = progress.load(Ordering::SeqCst);
+            let ok = std::panic::catch_unwind(|| {
+                for a in &allocators[at.saturating_sub(1)..(at + 2).min(N)] {
+                    use_one(a);
+                }
+            })
+            .is_ok();
+            // SAFETY: leaves the child at once, without running the parent's exit handlers.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "child {forks} failed or hung (status {status:#x})"
+        );
+        forks += 1;
+    }
+    worker.join().unwrap();
+    for a in allocators.iter() {
+        use_one(a);
+    }
+    eprintln!("{forks} forks during {N} initialisations");
 }

@@ -62,8 +62,8 @@
 //! `fork` and releases it in both processes afterwards, so the child can allocate even when another
 //! thread was inside the allocator at the moment of the fork. In the child the other threads'
 //! cached blocks are lost (their threads do not exist there), and the first use rebuilds the cache
-//! registry. A `fork` during an allocator's first-use initialisation on another thread is not
-//! covered.
+//! registry. First-use initialisation runs under the global heap-list lock, which the handler also
+//! takes, so a `fork` never interrupts an initialisation either.
 
 mod os;
 mod small;
@@ -266,7 +266,7 @@ static FORK_SURVIVOR: [core::sync::atomic::AtomicUsize; 2] = [
 /// Every live heap's anchor, linked through `Anchor::next` and changed only under this lock, so
 /// that a `fork` can hold every heap lock across it.
 #[cfg(not(loom))]
-static HEAPS: SpinLock<()> = SpinLock::new(());
+static HEAPS: SpinLock<()> = SpinLock::with_reentry_handler((), reentered);
 /// Head of that list (an anchor's address, 0 for none).
 #[cfg(not(loom))]
 static HEAP_LIST: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
@@ -331,14 +331,12 @@ extern "C" fn fork_child() {
     fork_release();
 }
 
-/// Puts a new heap on the list and installs the `fork` handlers (once).
+/// Puts a new heap on the list and installs the `fork` handlers (once). The caller holds [`HEAPS`].
 #[cfg(not(loom))]
 fn link_heap(anchor: &Anchor) {
     use core::sync::atomic::{AtomicBool, Ordering::Relaxed};
-    HEAPS.lock().with(|_| {
-        anchor.next.store(HEAP_LIST.load(Relaxed), Relaxed);
-        HEAP_LIST.store(anchor as *const Anchor as usize, Relaxed);
-    });
+    anchor.next.store(HEAP_LIST.load(Relaxed), Relaxed);
+    HEAP_LIST.store(anchor as *const Anchor as usize, Relaxed);
     static INSTALLED: AtomicBool = AtomicBool::new(false);
     if !INSTALLED.swap(true, Relaxed) {
         // SAFETY: registers handlers that take and release this crate's locks and touch atomics
@@ -595,6 +593,10 @@ impl GlobalBfc {
     #[cold]
     #[inline(never)]
     fn init(&self) -> *mut Anchor {
+        // Held for the whole initialisation, so a `fork` (whose prepare step takes it) never
+        // happens while an instance's `state` lock is held by another thread.
+        #[cfg(not(loom))]
+        let _heaps = HEAPS.lock();
         self.state.0.lock().with(|state| match state {
             State::Ready => self.anchor.load(crate::sync::Ordering::Acquire),
             State::Failed => ptr::null_mut(),
@@ -604,7 +606,8 @@ impl GlobalBfc {
                     .fetch_add(1, crate::sync::UnmodelledOrdering::Relaxed);
                 match Heap::init(&self.config) {
                     Some((a, _id)) => {
-                        // SAFETY: the anchor was just built and stays mapped until `drop`.
+                        // SAFETY: the anchor was just built and stays mapped until `drop`; `HEAPS`
+                        // is held.
                         #[cfg(not(loom))]
                         link_heap(unsafe { a.as_ref() });
                         #[cfg(feature = "std")]
@@ -632,6 +635,11 @@ fn reentered() -> ! {
          the allocator?)"
     ))
 }
+
+// The heap is only reached under its lock, and nothing panics while holding it (errors abort),
+// so a panic elsewhere cannot leave it half-updated for the code that catches the panic.
+impl core::panic::RefUnwindSafe for GlobalBfc {}
+impl core::panic::UnwindSafe for GlobalBfc {}
 
 impl Default for GlobalBfc {
     fn default() -> Self {
