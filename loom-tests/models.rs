@@ -1,6 +1,6 @@
-//! Loom models of the shipped locking: the spinlock, the lazy arena initialisation, and the stats,
-//! all through `GlobalBfc` itself (its lock and atomics come from the crate's sync shim, which under
-//! `--cfg loom` re-exports loom's types).
+//! Loom models of the shipped locking: the spinlock, the lazy arena initialisation, the stats, the
+//! thread caches and the `fork` prepare step, all through `GlobalBfc` itself (its lock and atomics
+//! come from the crate's sync shim, which under `--cfg loom` re-exports loom's types).
 //!
 //! Models stay at two threads: with a third, spinning waiters multiply loom's schedules past what a
 //! CI run can afford. Run (release, bounded), as `.ci/test-all.sh` does:
@@ -237,6 +237,57 @@ fn exit_flush_without_the_bindings_lock_is_caught() {
     let _restore = Restore;
     bfc_alloc::host::LOOM_SKIP_DROP_BINDINGS.store(true, Ordering::Relaxed);
     thread_exit_races_allocator_drop();
+}
+
+/// Model 7 (fork): the fork prepare step, which takes the bindings lock, the heap list's lock and
+/// every heap lock and holds them across the `fork`, races a thread that initialises, uses and drops
+/// a second allocator (heap list, then its state lock; bindings, state, heap, heap list) and uses
+/// the first one through the engine and its thread cache before exiting (bindings, then heap). The
+/// prepare step never deadlocks with them, and the heaps are intact afterwards.
+#[test]
+fn fork_prepare_races_init_use_drop_and_exit() {
+    loom::model(|| {
+        let a = Arc::new(allocator());
+        let first = alloc_tagged(&a, 32, 1);
+        let worker = {
+            let a = a.clone();
+            thread::spawn(move || {
+                let b = allocator();
+                let x = alloc_tagged(&b, 32, 2);
+                free_all_and_check(&b, [x]);
+                drop(b);
+                let big = alloc_tagged(&a, 8 << 10, 3);
+                let small = alloc_tagged(&a, 32, 4);
+                assert_tagged(big, 3);
+                free(&a, small);
+                free(&a, big);
+                bfc_alloc::host::loom_exit_thread();
+            })
+        };
+        bfc_alloc::host::loom_fork_prepare();
+        bfc_alloc::host::loom_fork_release();
+        worker.join().unwrap();
+        assert_tagged(first, 1);
+        free_all_and_check(&a, [first]);
+        bfc_alloc::host::loom_exit_thread();
+    });
+}
+
+/// Negative control for model 7: with the prepare step taking the bindings lock after the heap
+/// locks, loom finds the schedule in which it and an exiting thread's flush wait for each other
+/// (two spinning waiters: loom reports the endless schedule).
+#[test]
+#[should_panic(expected = "Model exceeded maximum number of branches")]
+fn fork_prepare_with_inverted_lock_order_is_caught() {
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            bfc_alloc::host::LOOM_BREAK_FORK_ORDER.store(false, Ordering::Relaxed);
+        }
+    }
+    let _restore = Restore;
+    bfc_alloc::host::LOOM_BREAK_FORK_ORDER.store(true, Ordering::Relaxed);
+    fork_prepare_races_init_use_drop_and_exit();
 }
 
 /// Negative control: with the lock's acquire ordering weakened to `Relaxed`, loom must find the data

@@ -148,7 +148,7 @@ impl<T> SpinLock<T> {
 
     /// Acquires the lock and keeps it with no guard: a `fork` prepare handler holds the heap locks
     /// across the `fork` this way. Release it with [`SpinLock::unlock_held`].
-    #[cfg(all(feature = "host", not(loom)))]
+    #[cfg(feature = "host")]
     pub(crate) fn lock_held(&self) {
         core::mem::forget(self.lock());
     }
@@ -158,7 +158,7 @@ impl<T> SpinLock<T> {
     /// # Safety
     /// The calling thread (or, in a `fork` child, the thread that forked) took the lock with
     /// [`SpinLock::lock_held`] and has not released it since.
-    #[cfg(all(feature = "host", not(loom)))]
+    #[cfg(feature = "host")]
     pub(crate) unsafe fn unlock_held(&self) {
         drop(SpinGuard { lock: self });
     }

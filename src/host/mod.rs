@@ -263,22 +263,41 @@ static FORK_SURVIVOR: [core::sync::atomic::AtomicUsize; 2] = [
     core::sync::atomic::AtomicUsize::new(0),
 ];
 
-/// Every live heap's anchor, linked through `Anchor::next` and changed only under this lock, so
-/// that a `fork` can hold every heap lock across it.
-#[cfg(not(loom))]
-static HEAPS: SpinLock<()> = SpinLock::with_reentry_handler((), reentered);
-/// Head of that list (an anchor's address, 0 for none).
-#[cfg(not(loom))]
-static HEAP_LIST: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
+/// Every live heap's anchor, linked through `Anchor::next`, so that a `fork` can hold every heap
+/// lock across it. `head` (an anchor's address, 0 for none) and the links change only under `lock`.
+struct HeapList {
+    lock: SpinLock<()>,
+    head: core::sync::atomic::AtomicUsize,
+}
 
-/// Calls `f` on every heap on the list. The caller holds [`HEAPS`] (or is a `fork` handler, whose
-/// prepare step took it).
 #[cfg(not(loom))]
+fn heaps() -> &'static HeapList {
+    static HEAPS: HeapList = HeapList {
+        lock: SpinLock::with_reentry_handler((), reentered),
+        head: core::sync::atomic::AtomicUsize::new(0),
+    };
+    &HEAPS
+}
+
+/// Loom build: one list per model execution.
+#[cfg(loom)]
+fn heaps() -> &'static HeapList {
+    loom::lazy_static! {
+        static ref HEAPS: HeapList = HeapList {
+            lock: SpinLock::with_reentry_handler((), reentered),
+            head: core::sync::atomic::AtomicUsize::new(0),
+        };
+    }
+    &HEAPS
+}
+
+/// Calls `f` on every heap on the list. The caller holds the list's lock (or is a `fork` handler,
+/// whose prepare step took it).
 fn for_each_heap(mut f: impl FnMut(&Anchor)) {
     use core::sync::atomic::Ordering::Relaxed;
-    let mut a = HEAP_LIST.load(Relaxed);
+    let mut a = heaps().head.load(Relaxed);
     while a != 0 {
-        // SAFETY: anchors leave the list (under `HEAPS`, held by the caller) before they are
+        // SAFETY: anchors leave the list (under its lock, held by the caller) before they are
         // unmapped.
         let anchor = unsafe { &*(a as *const Anchor) };
         f(anchor);
@@ -286,39 +305,73 @@ fn for_each_heap(mut f: impl FnMut(&Anchor)) {
     }
 }
 
-/// `fork` prepare handler: takes the bindings lock, the heap list's lock and every heap lock, in the
-/// order the rest of the crate takes them, so that the child inherits no lock held by a thread it
-/// does not have. (An allocation that needs a heap lock, made on this thread by a prepare handler
-/// that runs after this one, aborts with the re-entry message instead of hanging.)
-#[cfg(not(loom))]
-extern "C" fn fork_prepare() {
+/// The `fork` prepare step: takes the bindings lock, the heap list's lock and every heap lock, in
+/// the order the rest of the crate takes them, so that the child inherits no lock held by a thread
+/// it does not have. (An allocation that needs a heap lock, made on this thread by a prepare
+/// handler that runs after this one, aborts with the re-entry message instead of hanging.)
+fn fork_prepare() {
+    #[cfg(all(feature = "std", loom))]
+    let inverted = LOOM_BREAK_FORK_ORDER.load(crate::sync::UnmodelledOrdering::Relaxed);
+    #[cfg(all(feature = "std", not(loom)))]
+    let inverted = false;
     #[cfg(feature = "std")]
-    bindings().lock_held();
-    HEAPS.lock_held();
+    if !inverted {
+        bindings().lock_held();
+    }
+    heaps().lock.lock_held();
     for_each_heap(|a| a.heap.lock_held());
+    #[cfg(feature = "std")]
+    if inverted {
+        bindings().lock_held();
+    }
 }
 
 /// Releases what [`fork_prepare`] took, in the parent and in the child.
-#[cfg(not(loom))]
 fn fork_release() {
     // SAFETY: `fork_prepare` took each of these locks on this thread (in the child: on the thread
     // that forked, which is this one), and nothing released them since.
     unsafe {
         for_each_heap(|a| a.heap.unlock_held());
-        HEAPS.unlock_held();
+        heaps().lock.unlock_held();
         #[cfg(feature = "std")]
         bindings().unlock_held();
     }
 }
 
+/// Negative control for the fork model (loom builds only): when set, the prepare step takes the
+/// bindings lock last instead of first, inverting the order a thread-exit flush takes it in.
+#[cfg(all(feature = "std", loom))]
+#[doc(hidden)]
+pub static LOOM_BREAK_FORK_ORDER: crate::sync::UnmodelledAtomicBool =
+    crate::sync::UnmodelledAtomicBool::new(false);
+
+/// Loom build: the `fork` prepare step, as the forking thread runs it (the models cannot fork).
+#[cfg(loom)]
+#[doc(hidden)]
+pub fn loom_fork_prepare() {
+    fork_prepare();
+}
+
+/// Loom build: the release step that follows the `fork` in the parent.
+#[cfg(loom)]
+#[doc(hidden)]
+pub fn loom_fork_release() {
+    fork_release();
+}
+
 #[cfg(not(loom))]
-extern "C" fn fork_parent() {
+extern "C" fn on_fork_prepare() {
+    fork_prepare();
+}
+
+#[cfg(not(loom))]
+extern "C" fn on_fork_parent() {
     fork_release();
 }
 
 /// In the child, also records the one thread cache that survives (see `Heap::after_fork`).
 #[cfg(not(loom))]
-extern "C" fn fork_child() {
+extern "C" fn on_fork_child() {
     #[cfg(feature = "std")]
     {
         use core::sync::atomic::Ordering::Relaxed;
@@ -331,34 +384,46 @@ extern "C" fn fork_child() {
     fork_release();
 }
 
-/// Puts a new heap on the list and installs the `fork` handlers (once). The caller holds [`HEAPS`].
-#[cfg(not(loom))]
+/// Puts a new heap on the list and installs the `fork` handlers (once). The caller holds the list's
+/// lock.
 fn link_heap(anchor: &Anchor) {
-    use core::sync::atomic::{AtomicBool, Ordering::Relaxed};
-    anchor.next.store(HEAP_LIST.load(Relaxed), Relaxed);
-    HEAP_LIST.store(anchor as *const Anchor as usize, Relaxed);
-    static INSTALLED: AtomicBool = AtomicBool::new(false);
-    if !INSTALLED.swap(true, Relaxed) {
-        // SAFETY: registers handlers that take and release this crate's locks and touch atomics
-        // and this thread's cache; none of them allocates.
-        unsafe { libc::pthread_atfork(Some(fork_prepare), Some(fork_parent), Some(fork_child)) };
+    use core::sync::atomic::Ordering::Relaxed;
+    anchor.next.store(heaps().head.load(Relaxed), Relaxed);
+    heaps()
+        .head
+        .store(anchor as *const Anchor as usize, Relaxed);
+    #[cfg(not(loom))]
+    {
+        static INSTALLED: core::sync::atomic::AtomicBool =
+            core::sync::atomic::AtomicBool::new(false);
+        if !INSTALLED.swap(true, Relaxed) {
+            // SAFETY: registers handlers that take and release this crate's locks and touch
+            // atomics and this thread's cache; none of them allocates.
+            unsafe {
+                libc::pthread_atfork(
+                    Some(on_fork_prepare),
+                    Some(on_fork_parent),
+                    Some(on_fork_child),
+                )
+            };
+        }
     }
 }
 
 /// Takes a heap off the list (before its memory is unmapped).
-#[cfg(not(loom))]
 fn unlink_heap(anchor: &Anchor) {
     use core::sync::atomic::Ordering::Relaxed;
     let me = anchor as *const Anchor as usize;
-    HEAPS.lock().with(|_| {
+    let list = heaps();
+    list.lock.lock().with(|_| {
         let next = anchor.next.load(Relaxed);
-        if HEAP_LIST.load(Relaxed) == me {
-            HEAP_LIST.store(next, Relaxed);
+        if list.head.load(Relaxed) == me {
+            list.head.store(next, Relaxed);
             return;
         }
-        let mut prev = HEAP_LIST.load(Relaxed);
+        let mut prev = list.head.load(Relaxed);
         while prev != 0 {
-            // SAFETY: a listed anchor, under `HEAPS`.
+            // SAFETY: a listed anchor, under the list's lock.
             let p = unsafe { &*(prev as *const Anchor) };
             if p.next.load(Relaxed) == me {
                 p.next.store(next, Relaxed);
@@ -422,8 +487,7 @@ enum State {
 struct Anchor {
     /// Taken through [`Anchor::with`] only.
     heap: SpinLock<Heap>,
-    /// The next heap on the list of live heaps (see [`HEAPS`]).
-    #[cfg(not(loom))]
+    /// The next heap on the list of live heaps (see [`HeapList`]).
     next: core::sync::atomic::AtomicUsize,
     /// Set when the allocator was dropped (loom builds, where the reservation is kept so that the
     /// models can see a flush that comes too late).
@@ -595,8 +659,7 @@ impl GlobalBfc {
     fn init(&self) -> *mut Anchor {
         // Held for the whole initialisation, so a `fork` (whose prepare step takes it) never
         // happens while an instance's `state` lock is held by another thread.
-        #[cfg(not(loom))]
-        let _heaps = HEAPS.lock();
+        let _heaps = heaps().lock.lock();
         self.state.0.lock().with(|state| match state {
             State::Ready => self.anchor.load(crate::sync::Ordering::Acquire),
             State::Failed => ptr::null_mut(),
@@ -606,9 +669,8 @@ impl GlobalBfc {
                     .fetch_add(1, crate::sync::UnmodelledOrdering::Relaxed);
                 match Heap::init(&self.config) {
                     Some((a, _id)) => {
-                        // SAFETY: the anchor was just built and stays mapped until `drop`; `HEAPS`
-                        // is held.
-                        #[cfg(not(loom))]
+                        // SAFETY: the anchor was just built and stays mapped until `drop`; the heap
+                        // list's lock is held.
                         link_heap(unsafe { a.as_ref() });
                         #[cfg(feature = "std")]
                         self.id.store(_id, core::sync::atomic::Ordering::Relaxed);
@@ -773,7 +835,6 @@ impl Heap {
         unsafe {
             anchor.write(Anchor {
                 heap: SpinLock::with_reentry_handler(heap, reentered),
-                #[cfg(not(loom))]
                 next: core::sync::atomic::AtomicUsize::new(0),
                 #[cfg(loom)]
                 dropped: crate::sync::UnmodelledAtomicBool::new(false),
@@ -1100,7 +1161,6 @@ impl Drop for GlobalBfc {
                 s.meta_mapping_size,
             )
         });
-        #[cfg(not(loom))]
         unlink_heap(anchor);
         // SAFETY: `&mut self` proves no allocation from this allocator is still used through it
         // (its blocks cannot outlive it); exiting threads' flushes are excluded by the bindings
