@@ -2,8 +2,9 @@
 //!
 //! On first use [`GlobalBfc`] reserves [`HostConfig::arena_size`] bytes of address space with
 //! `MAP_NORESERVE` (halving down to [`HostConfig::min_arena_size`] if the kernel refuses), plus a
-//! separate reservation for metadata: the pointer map (4 bytes per 512 arena bytes) and the chunk table
-//! ([`HostConfig::chunk_capacity`] records of 32 bytes). Nothing is committed up front: pages are backed
+//! separate reservation for metadata: the pointer map (4 bytes per 512 arena bytes), the chunk table
+//! ([`HostConfig::chunk_capacity`] records of 32 bytes), and the slab layer's span table and span
+//! sets (under 0.2% of the arena). Nothing is committed up front: pages are backed
 //! when first touched, so the resident cost follows the bytes and chunks actually used. Initialisation
 //! allocates nothing.
 //!
@@ -11,8 +12,10 @@
 //!
 //! Requests of at most 4 KiB (alignment at most 16) are served by a slab layer on top of the engine
 //! (see `small.rs`): 64 KiB spans taken from the engine, objects tracked by out-of-band bitmaps, so a
-//! small allocation or free is a bit operation and a double free is still detected. Everything larger
-//! goes to the engine, with its best fit and coalescing.
+//! small allocation or free is a bit operation and a double free is still detected. Each class takes
+//! the lowest free object of its lowest span with room, so a class's touched memory follows its peak
+//! live bytes, and its spans above that drain and go back to the engine for any size to reuse.
+//! Everything larger goes to the engine, with its best fit and coalescing.
 //!
 //! # Thread caches (`std`)
 //!
@@ -47,8 +50,9 @@
 //!   So memory a program frees and allocates again in cycles keeps its pages, and memory that stays
 //!   free goes back within two sweeps (a decay counted in freed bytes, not time).
 //!
-//! Smaller free chunks keep their pages for reuse.
-//! [`GlobalBfc::release_free_memory`] returns every free page at once.
+//! Smaller free chunks, and free objects in spans, keep their pages for reuse.
+//! [`GlobalBfc::release_free_memory`] returns every free page at once, including the pages of spans
+//! that hold no allocated object.
 //!
 //! # Errors
 //!
@@ -585,15 +589,21 @@ impl GlobalBfc {
         self.with_heap(|h| h.check()).unwrap_or(Ok(()))
     }
 
-    /// Returns the pages of every free chunk of at least one page to the kernel. Returns the bytes
-    /// of address space covered.
+    /// Flushes the calling thread's cache, then returns to the kernel the pages of every free chunk
+    /// of at least one page, and every page of a span on which no small object is allocated.
+    /// Returns the bytes of address space covered.
     pub fn release_free_memory(&self) -> usize {
         #[cfg(feature = "std")]
         self.flush_thread_cache();
         self.with_heap(|h| {
             #[cfg(feature = "std")]
             h.drain_transfer();
-            h.sweep(1, false)
+            let brk = h.brk;
+            let purged = h.small.purge(brk, |a, l| {
+                // SAFETY: whole pages of a span holding no allocated object.
+                unsafe { os::discard(a, l) }
+            });
+            h.sweep(1, false) + purged
         })
         .unwrap_or(0)
     }
@@ -734,6 +744,8 @@ impl Heap {
             (config.chunk_capacity * core::mem::size_of::<Chunk>()).next_multiple_of(page);
         let span_entries = arena_size >> small::SPAN_SHIFT;
         let spans_bytes = (span_entries * SmallHeap::ENTRY).next_multiple_of(page);
+        let set_words = small::SpanSets::words_for(span_entries);
+        let sets_bytes = (set_words * core::mem::size_of::<u64>()).next_multiple_of(page);
         #[cfg(feature = "std")]
         let transfer_bytes =
             (tcache::TRANSFER_SLOTS * core::mem::size_of::<usize>()).next_multiple_of(page);
@@ -741,7 +753,7 @@ impl Heap {
         let transfer_bytes = 0;
         let anchor_bytes = core::mem::size_of::<Anchor>().next_multiple_of(page);
         let meta_mapping_size =
-            map_bytes + table_bytes + spans_bytes + transfer_bytes + anchor_bytes;
+            map_bytes + table_bytes + spans_bytes + sets_bytes + transfer_bytes + anchor_bytes;
         let Some(meta_mapping) = os::reserve(meta_mapping_size) else {
             // SAFETY: the arena reservation was just made and is unused.
             unsafe { os::unreserve(arena_mapping, arena_mapping_size) };
@@ -767,6 +779,17 @@ impl Heap {
                 span_entries,
             )
         };
+        // SAFETY: as for the table: a zero-filled (all sets empty), aligned, exclusively owned part
+        // of the metadata reservation, alive as long as the heap; any bytes are valid `u64`s.
+        let sets: &'static mut [u64] = unsafe {
+            core::slice::from_raw_parts_mut(
+                meta_mapping
+                    .as_ptr()
+                    .add(map_bytes + table_bytes + spans_bytes)
+                    .cast::<u64>(),
+                set_words,
+            )
+        };
         // SAFETY: as for the table: an aligned, exclusively owned part of the metadata reservation,
         // alive as long as the heap; any bytes are valid `usize`s.
         #[cfg(feature = "std")]
@@ -774,7 +797,7 @@ impl Heap {
             core::slice::from_raw_parts_mut(
                 meta_mapping
                     .as_ptr()
-                    .add(map_bytes + table_bytes + spans_bytes)
+                    .add(map_bytes + table_bytes + spans_bytes + sets_bytes)
                     .cast::<usize>(),
                 tcache::TRANSFER_SLOTS,
             )
@@ -805,7 +828,7 @@ impl Heap {
         };
         let heap = Heap {
             bfc,
-            small: SmallHeap::new(arena, spans),
+            small: SmallHeap::new(arena, page, spans, sets),
             peak: 0,
             largest: 0,
             span_allocs: 0,
@@ -827,7 +850,7 @@ impl Heap {
         let id = heap.id();
         let anchor = meta_mapping
             .as_ptr()
-            .wrapping_add(map_bytes + table_bytes + spans_bytes + transfer_bytes)
+            .wrapping_add(map_bytes + table_bytes + spans_bytes + sets_bytes + transfer_bytes)
             .cast::<Anchor>();
         // SAFETY: the anchor area lies inside the fresh metadata reservation, page-aligned (so
         // aligned for `Anchor`), large enough, and used by nothing else; it stays mapped until
@@ -892,18 +915,13 @@ impl Heap {
         }
     }
 
-    /// Gives class `c` a span with room (a partial one or a new one from the engine) and allocates.
+    /// Gives class `c`, whose spans are all full, a new span from the engine and allocates.
     #[cold]
     fn small_refill(&mut self, c: usize) -> Option<usize> {
-        let fresh = if self.small.has_partial(c) {
-            None
-        } else {
-            let base = self.bfc.allocate(SPAN, SPAN).ok()?;
-            self.note_allocated(base, SPAN);
-            self.span_allocs += 1;
-            Some(base)
-        };
-        self.small.refill(c, fresh);
+        let base = self.bfc.allocate(SPAN, SPAN).ok()?;
+        self.note_allocated(base, SPAN);
+        self.span_allocs += 1;
+        self.small.add_span(c, base);
         self.small.alloc(c)
     }
 

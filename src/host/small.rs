@@ -10,12 +10,20 @@
 //!   is set (an interior pointer or a double free is detected, never absorbed), and clears the bit;
 //! - object memory is never written by the allocator, so untouched objects stay untouched pages.
 //!
+//! **Lowest address first.** A class always allocates the lowest free object of its lowest span
+//! with room: the class's *current* span is the lowest-addressed of its spans with a free object,
+//! found in a per-class hierarchical bitmap over the span table ([`SpanSets`]). So a class only
+//! touches an object above all its others once every lower object is taken, and the memory a class
+//! has touched stays close to its peak live bytes rather than rounding up to whole spans; its
+//! highest spans get no new objects while lower ones have room, so they drain and go back to the
+//! engine, where any class (or a large block) can reuse them.
+//!
 //! A span whose objects are all free goes back to the engine (and so can coalesce), unless it is the
 //! class's current span. Memory held this way is bounded by the live objects' spans plus one current
 //! span per class (28 x 64 KiB).
 //!
-//! Invariants: `classes[c].current`, and every span on `classes[c].partial`, have `class == c + 1`;
-//! a span is on its class's partial list iff it is not current and `0 < free < capacity`.
+//! Invariants: a span of class `c` is in `sets[c]` iff it has a free object, and `classes[c].current`
+//! is the lowest span in `sets[c]` (0 when the set is empty).
 
 /// Largest small request.
 pub(crate) const SMALL_MAX: usize = 4096;
@@ -91,21 +99,155 @@ pub(crate) struct Span {
     class: u8,
     /// Free objects.
     free: u16,
+    /// Pages (bit `p`: the span's page `p`) given back to the kernel since an object on them was
+    /// last allocated.
+    purged: u16,
     /// Bit `w` set iff `bits[w]` has a clear bit (for the words in use).
     avail: u64,
-    /// Partial-list links: span index + 1, 0 for none.
-    prev: u32,
-    next: u32,
     /// Bit `i` set iff object `i` is allocated; bits past the capacity are set.
     bits: [u64; WORDS],
 }
 
-#[derive(Clone, Copy)]
-struct ClassState {
-    /// Span index + 1 of the current span, 0 for none.
-    current: u32,
-    /// Head of the partial list (span index + 1), 0 for none.
-    partial: u32,
+/// Per-class sets of span indices, as hierarchical bitmaps in one zero-filled reservation: level 0
+/// has a bit per span, and a bit of level `k + 1` is set iff word of level `k` under it is non-zero,
+/// up to a top level of one word. Finding the lowest member takes one word per level (four for a
+/// 64 GiB arena); adding or removing one stops at the first level whose word was (or stays)
+/// non-zero.
+///
+/// The classes' words are interleaved (word `j` of a level holds class `c` at `j * NUM_CLASSES + c`),
+/// so a heap whose spans lie in the first 576 MiB of the arena touches one page of level 0.
+pub(crate) struct SpanSets {
+    words: &'static mut [u64],
+    /// Offset (in words, before interleaving) of each level; `levels` levels are in use.
+    offset: [usize; MAX_LEVELS],
+    levels: usize,
+}
+
+/// Levels for up to `64^MAX_LEVELS` spans (far beyond any address space).
+const MAX_LEVELS: usize = 6;
+
+impl SpanSets {
+    /// Words (`u64`) of storage for sets over `spans` span indices.
+    pub(crate) const fn words_for(spans: usize) -> usize {
+        let mut n = if spans == 0 { 1 } else { spans };
+        let mut total = 0;
+        loop {
+            let w = n.div_ceil(64);
+            total += w;
+            if w == 1 {
+                return total * NUM_CLASSES;
+            }
+            n = w;
+        }
+    }
+
+    /// Wraps zero-filled storage of [`Self::words_for`]`(spans)` words (all sets empty).
+    pub(crate) fn new(words: &'static mut [u64], spans: usize) -> Self {
+        let mut offset = [0; MAX_LEVELS];
+        let mut n = spans.max(1);
+        let mut levels = 0;
+        let mut total = 0;
+        loop {
+            let w = n.div_ceil(64);
+            offset[levels] = total;
+            total += w;
+            levels += 1;
+            if w == 1 || levels == MAX_LEVELS {
+                break;
+            }
+            n = w;
+        }
+        debug_assert!(total * NUM_CLASSES <= words.len());
+        SpanSets {
+            words,
+            offset,
+            levels,
+        }
+    }
+
+    /// Index in `words` of word `j` of class `c`'s level `level`.
+    #[inline(always)]
+    fn at(&self, c: usize, level: usize, j: usize) -> usize {
+        (self.offset[level] + j) * NUM_CLASSES + c
+    }
+
+    /// Adds span `i` to class `c`'s set.
+    #[inline]
+    pub(crate) fn insert(&mut self, c: usize, i: usize) {
+        let mut i = i;
+        for level in 0..self.levels {
+            let w = &mut self.words[self.at(c, level, i / 64)];
+            let was = *w;
+            *w = was | 1 << (i % 64);
+            if was != 0 {
+                return;
+            }
+            i /= 64;
+        }
+    }
+
+    /// Removes span `i` from class `c`'s set.
+    #[inline]
+    pub(crate) fn remove(&mut self, c: usize, i: usize) {
+        let mut i = i;
+        for level in 0..self.levels {
+            let w = &mut self.words[self.at(c, level, i / 64)];
+            *w &= !(1 << (i % 64));
+            if *w != 0 {
+                return;
+            }
+            i /= 64;
+        }
+    }
+
+    /// The lowest span in class `c`'s set.
+    #[inline]
+    pub(crate) fn first(&self, c: usize) -> Option<usize> {
+        let mut i = 0;
+        for level in (0..self.levels).rev() {
+            let w = self.words[self.at(c, level, i)];
+            if w == 0 {
+                return None;
+            }
+            i = i * 64 + w.trailing_zeros() as usize;
+        }
+        Some(i)
+    }
+
+    /// Whether span `i` is in class `c`'s set (level 0 only).
+    fn contains(&self, c: usize, i: usize) -> bool {
+        self.words[self.at(c, 0, i / 64)] & 1 << (i % 64) != 0
+    }
+
+    /// Checks that every summary bit over level-0 words `0..words0` (and the levels above them)
+    /// says exactly whether the word under it is non-zero.
+    fn check(&self, words0: usize) -> Result<(), &'static str> {
+        for c in 0..NUM_CLASSES {
+            let mut n = words0;
+            for level in 0..self.levels - 1 {
+                for j in 0..n {
+                    let below = self.words[self.at(c, level, j)] != 0;
+                    let bit = self.words[self.at(c, level + 1, j / 64)] & 1 << (j % 64) != 0;
+                    if below != bit {
+                        return Err("span-set summary bit disagrees with the level below");
+                    }
+                }
+                n = n.div_ceil(64);
+            }
+        }
+        Ok(())
+    }
+
+    /// Storage bytes that may be resident for level-0 words `0..words0` and the levels above.
+    fn resident_bytes(&self, words0: usize) -> usize {
+        let mut n = words0.max(1);
+        let mut words = 0;
+        for _ in 0..self.levels {
+            words += n;
+            n = n.div_ceil(64);
+        }
+        words * NUM_CLASSES * 8
+    }
 }
 
 /// What a small free found.
@@ -126,7 +268,12 @@ pub(crate) struct SmallHeap {
     arena: usize,
     /// One entry per 64 KiB of arena (zero-filled reservation).
     spans: &'static mut [Span],
-    classes: [ClassState; NUM_CLASSES],
+    /// Per class: span index + 1 of the current span (the lowest in `sets`), 0 for none.
+    current: [u32; NUM_CLASSES],
+    /// Per class: the spans with a free object.
+    sets: SpanSets,
+    /// log2 of the page size, when a span has 1 to 16 pages (otherwise 0: no page is ever purged).
+    page_shift: u32,
     /// Bytes of live small objects (class sizes) and their number.
     pub(crate) bytes: usize,
     pub(crate) objects: usize,
@@ -138,15 +285,26 @@ pub(crate) struct SmallHeap {
 }
 
 impl SmallHeap {
-    /// Wraps span-table storage for an arena at `arena` (64 KiB-aligned).
-    pub(crate) fn new(arena: usize, spans: &'static mut [Span]) -> Self {
+    /// Wraps span-table storage for an arena at `arena` (64 KiB-aligned) and the zero-filled
+    /// storage of its span sets ([`SpanSets::words_for`]`(spans.len())` words).
+    pub(crate) fn new(
+        arena: usize,
+        page: usize,
+        spans: &'static mut [Span],
+        sets: &'static mut [u64],
+    ) -> Self {
+        let n = spans.len();
+        let pages = SPAN / page.max(1);
         SmallHeap {
             arena,
+            page_shift: if page.is_power_of_two() && (1..=16).contains(&pages) {
+                page.trailing_zeros()
+            } else {
+                0
+            },
             spans,
-            classes: [ClassState {
-                current: 0,
-                partial: 0,
-            }; NUM_CLASSES],
+            current: [0; NUM_CLASSES],
+            sets: SpanSets::new(sets, n),
             bytes: 0,
             objects: 0,
             spans_live: 0,
@@ -167,16 +325,14 @@ impl SmallHeap {
     /// Allocates an object of class `c` from the current span; `None` when a new span is needed.
     #[inline]
     pub(crate) fn alloc(&mut self, c: usize) -> Option<usize> {
-        let cur = self.classes[c].current;
+        let cur = self.current[c];
         if cur == 0 {
             return None;
         }
         let i = cur as usize - 1;
         let span = &mut self.spans[i];
-        if span.free == 0 {
-            return None;
-        }
-        // `free > 0`, so some word in use has a clear bit and `avail` is non-zero.
+        // The current span has a free object, so some word in use has a clear bit and `avail` is
+        // non-zero.
         let w = span.avail.trailing_zeros() as usize % WORDS;
         let word = span.bits[w];
         let bit = (!word).trailing_zeros() as usize % 64;
@@ -187,32 +343,37 @@ impl SmallHeap {
         }
         span.free -= 1;
         let size = CLASS_SIZES[c] as usize;
+        let offset = (w * 64 + bit) * size;
+        if span.purged != 0 {
+            // The object's pages are in use again (the caller will touch them).
+            let (first, last) = (
+                offset >> self.page_shift,
+                (offset + size - 1) >> self.page_shift,
+            );
+            span.purged &= !(((2u32 << last) - (1u32 << first)) as u16);
+        }
+        if span.free == 0 {
+            // Full: the next lowest span with room becomes current.
+            self.sets.remove(c, i);
+            self.current[c] = self.sets.first(c).map_or(0, |j| j as u32 + 1);
+        }
         self.bytes += size;
         self.objects += 1;
         self.allocs += 1;
-        Some(self.arena + (i << SPAN_SHIFT) + (w * 64 + bit) * size)
+        Some(self.arena + (i << SPAN_SHIFT) + offset)
     }
 
-    /// Makes a span with free objects current for class `c`: a partial one if any, else `fresh`
-    /// (a new 64 KiB-aligned chunk from the engine) if given. Returns whether a span is now current.
-    pub(crate) fn refill(&mut self, c: usize, fresh: Option<usize>) -> bool {
-        let head = self.classes[c].partial;
-        if head != 0 {
-            self.unlink_partial(c, head as usize - 1);
-            self.classes[c].current = head;
-            return true;
-        }
-        let Some(base) = fresh else {
-            return false;
-        };
+    /// Gives class `c`, which has no span with room ([`Self::alloc`] returned `None`), the fresh
+    /// span at `base` (a new 64 KiB-aligned chunk from the engine), which becomes current.
+    pub(crate) fn add_span(&mut self, c: usize, base: usize) {
+        debug_assert_eq!(self.current[c], 0);
         let i = (base - self.arena) >> SPAN_SHIFT;
         let cap = capacity(c);
         let span = &mut self.spans[i];
         span.class = c as u8 + 1;
         span.free = cap as u16;
         span.avail = u64::MAX >> (64 - words_for(c));
-        span.prev = 0;
-        span.next = 0;
+        span.purged = 0;
         for (w, word) in span.bits.iter_mut().enumerate() {
             // Bits past the capacity read as allocated so they are never handed out.
             let first = w * 64;
@@ -224,16 +385,10 @@ impl SmallHeap {
                 0
             };
         }
-        self.classes[c].current = i as u32 + 1;
+        self.sets.insert(c, i);
+        self.current[c] = i as u32 + 1;
         self.spans_live += 1;
         self.spans_peak = self.spans_peak.max(self.spans_live);
-        true
-    }
-
-    /// Whether class `c` has a partial span to switch to.
-    #[inline]
-    pub(crate) fn has_partial(&self, c: usize) -> bool {
-        self.classes[c].partial != 0
     }
 
     /// The span containing `ptr`, if `ptr` is in the arena and the window is a span.
@@ -309,72 +464,107 @@ impl SmallHeap {
         let free = span.free as usize;
         self.bytes -= size;
         self.objects -= 1;
-        if self.classes[c].current == i as u32 + 1 {
-            return SmallFree::Freed(None);
-        }
-        if free == capacity(c) {
-            // Empty and not current, so on the partial list (capacities exceed 1): back to the engine.
-            self.unlink_partial(c, i);
-            self.spans[i].class = 0;
-            self.spans_live -= 1;
-            return SmallFree::Freed(Some(self.arena + (i << SPAN_SHIFT)));
-        }
         if free == 1 {
-            self.push_partial(c, i);
+            // It was full: back in the set, and current if it is now the lowest with room.
+            self.sets.insert(c, i);
+            let cur = self.current[c];
+            if cur == 0 || i < cur as usize - 1 {
+                self.current[c] = i as u32 + 1;
+                if cur != 0 {
+                    // Only the current span is kept empty: a replaced empty one goes back.
+                    let old = cur as usize - 1;
+                    if self.spans[old].free as usize == capacity(c) {
+                        return SmallFree::Freed(Some(self.release_span(c, old)));
+                    }
+                }
+            }
+        }
+        if free == capacity(c) && self.current[c] != i as u32 + 1 {
+            // Empty and not current (capacities exceed 1, so it was in the set before this free):
+            // back to the engine.
+            return SmallFree::Freed(Some(self.release_span(c, i)));
         }
         SmallFree::Freed(None)
     }
 
-    fn push_partial(&mut self, c: usize, i: usize) {
-        let head = self.classes[c].partial;
-        self.spans[i].prev = 0;
-        self.spans[i].next = head;
-        if head != 0 {
-            self.spans[head as usize - 1].prev = i as u32 + 1;
-        }
-        self.classes[c].partial = i as u32 + 1;
+    /// Takes the empty, non-current span `i` of class `c` out of the slab layer; returns its base
+    /// for the engine.
+    fn release_span(&mut self, c: usize, i: usize) -> usize {
+        self.sets.remove(c, i);
+        self.spans[i].class = 0;
+        self.spans_live -= 1;
+        self.arena + (i << SPAN_SHIFT)
     }
 
-    fn unlink_partial(&mut self, c: usize, i: usize) {
-        let (p, n) = (self.spans[i].prev, self.spans[i].next);
-        if p == 0 {
-            self.classes[c].partial = n;
-        } else {
-            self.spans[p as usize - 1].next = n;
+    /// Finds the pages of spans that hold no allocated object and were not given back since an
+    /// object on them was last allocated; calls `discard(addr, len)` for each run of them (within
+    /// one span) and returns the bytes covered. Walks the spans below `brk` (the highest address
+    /// ever handed out).
+    pub(crate) fn purge(&mut self, brk: usize, mut discard: impl FnMut(usize, usize)) -> usize {
+        let shift = self.page_shift;
+        if shift == 0 {
+            return 0;
         }
-        if n != 0 {
-            self.spans[n as usize - 1].prev = p;
+        let (page, pages) = (1usize << shift, SPAN >> shift);
+        let limit = ((brk.saturating_sub(self.arena) >> SPAN_SHIFT) + 1).min(self.spans.len());
+        let mut covered = 0;
+        for i in 0..limit {
+            let span = &mut self.spans[i];
+            if span.class == 0 {
+                continue;
+            }
+            let c = span.class as usize - 1;
+            let (size, cap) = (CLASS_SIZES[c] as usize, capacity(c));
+            let mut free = 0u16;
+            for p in 0..pages {
+                let lo = p * page / size;
+                let hi = (((p + 1) * page - 1) / size).min(cap - 1);
+                if lo > hi || range_clear(&span.bits, lo, hi) {
+                    free |= 1 << p;
+                }
+            }
+            let take = free & !span.purged;
+            span.purged |= take;
+            let base = self.arena + (i << SPAN_SHIFT);
+            let mut m = take as u32;
+            while m != 0 {
+                let first = m.trailing_zeros();
+                let run = (m >> first).trailing_ones();
+                discard(base + ((first as usize) << shift), (run as usize) << shift);
+                covered += (run as usize) << shift;
+                m &= !(((1u32 << run) - 1) << first);
+            }
         }
-        self.spans[i].prev = 0;
-        self.spans[i].next = 0;
+        covered
     }
 
     /// Checks the span table against the counters. Spans lie below `brk` (the highest address ever
     /// handed out), so only that prefix of the table is walked.
     pub(crate) fn check(&self, brk: usize) -> Result<(), &'static str> {
         let (mut objects, mut bytes, mut spans) = (0usize, 0usize, 0usize);
+        // Only the prefix of the table that can hold spans in use is walked (and the sets' words
+        // over it: no span beyond it is in a set).
+        let limit = ((brk.saturating_sub(self.arena) >> SPAN_SHIFT) + 1).min(self.spans.len());
+        self.sets.check(limit.div_ceil(64))?;
         for c in 0..NUM_CLASSES {
-            let mut cur = self.classes[c].partial;
-            let mut prev = 0;
-            let mut n = 0;
-            while cur != 0 {
-                let s = &self.spans[cur as usize - 1];
-                if s.class as usize != c + 1 || s.prev != prev {
-                    return Err("partial list holds a span of another class or has a broken link");
+            let first = self.sets.first(c);
+            if first.is_some_and(|i| i >= limit) {
+                return Err("span set holds a span beyond the arena's high-water mark");
+            }
+            if self.current[c] != first.map_or(0, |i| i as u32 + 1) {
+                return Err("current span is not the lowest span of its class with room");
+            }
+            for i in 0..limit {
+                let s = &self.spans[i];
+                let mine = s.class as usize == c + 1;
+                if self.sets.contains(c, i) != (mine && s.free > 0) {
+                    return Err("span set disagrees with the span table");
                 }
-                if s.free == 0 || s.free as usize >= capacity(c) || cur == self.classes[c].current {
-                    return Err("partial list holds a full, empty or current span");
+                if mine && s.free as usize == capacity(c) && self.current[c] != i as u32 + 1 {
+                    return Err("an empty span other than the current one is held");
                 }
-                n += 1;
-                if n > self.spans.len() {
-                    return Err("partial list cycles");
-                }
-                prev = cur;
-                cur = s.next;
             }
         }
-        // Only the prefix of the table that can hold spans in use is walked.
-        let limit = (brk.saturating_sub(self.arena) >> SPAN_SHIFT) + 1;
         for s in self.spans.iter().take(limit) {
             if s.class == 0 {
                 continue;
@@ -406,10 +596,22 @@ impl SmallHeap {
         Ok(())
     }
 
-    /// Span-table bytes that may be resident (entries up to the highest span ever used).
+    /// Span-table and span-set bytes that may be resident (entries up to the highest span ever
+    /// used).
     pub(crate) fn metadata_bytes(&self, brk: usize) -> usize {
-        ((brk.saturating_sub(self.arena) >> SPAN_SHIFT) + 1) * Self::ENTRY
+        let entries = (brk.saturating_sub(self.arena) >> SPAN_SHIFT) + 1;
+        entries * Self::ENTRY + self.sets.resident_bytes(entries.div_ceil(64))
     }
+}
+
+/// Whether objects `lo..=hi` are all free in `bits`.
+fn range_clear(bits: &[u64; WORDS], lo: usize, hi: usize) -> bool {
+    (lo / 64..=hi / 64).all(|w| {
+        let from = if w == lo / 64 { lo % 64 } else { 0 };
+        let to = if w == hi / 64 { hi % 64 } else { 63 };
+        let mask = (u64::MAX >> (63 - to)) & (u64::MAX << from);
+        bits[w] & mask == 0
+    })
 }
 
 /// Objects per span of class `c`.
@@ -442,9 +644,10 @@ fn words_for(c: usize) -> usize {
     W[c] as usize
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "std"))]
 mod tests {
     use super::*;
+    use std::{vec, vec::Vec};
 
     #[test]
     fn classes_cover_every_small_size() {
@@ -461,6 +664,214 @@ mod tests {
         }
         assert_eq!(class_for(SMALL_MAX + 1, 8), None);
         assert_eq!(class_for(64, 32), None);
+    }
+
+    /// A heap over a fake arena at `ARENA` of `spans` spans (the slab layer never touches object
+    /// memory, so none is needed).
+    fn heap(spans: usize) -> SmallHeap {
+        let table: Vec<Span> = (0..spans)
+            .map(|_| Span {
+                class: 0,
+                free: 0,
+                purged: 0,
+                avail: 0,
+                bits: [0; WORDS],
+            })
+            .collect();
+        let sets = vec![0u64; SpanSets::words_for(spans)];
+        SmallHeap::new(ARENA, 4096, table.leak(), sets.leak())
+    }
+
+    const ARENA: usize = 1 << 40;
+
+    fn base(i: usize) -> usize {
+        ARENA + (i << SPAN_SHIFT)
+    }
+
+    /// Allocates from class `c`, adding the span `fresh` when every span of the class is full.
+    fn alloc(h: &mut SmallHeap, c: usize, fresh: usize) -> usize {
+        h.alloc(c).unwrap_or_else(|| {
+            h.add_span(c, base(fresh));
+            h.alloc(c).unwrap()
+        })
+    }
+
+    #[test]
+    fn allocation_takes_the_lowest_free_object_of_the_lowest_span() {
+        let c = class_for(2048, 8).unwrap();
+        let cap = capacity(c);
+        let mut h = heap(64);
+        // Three full spans, added out of address order.
+        let mut objs = Vec::new();
+        for &i in &[9, 2, 5] {
+            for k in 0..cap {
+                let p = alloc(&mut h, c, i);
+                assert_eq!(p, base(i) + k * 2048);
+                objs.push(p);
+            }
+        }
+        assert!(h.alloc(c).is_none(), "all spans full");
+        h.check(base(10)).unwrap();
+        // Holes in the highest and the middle span: the middle one's is taken first, lowest first.
+        for p in [base(9) + 3 * 2048, base(5) + 7 * 2048, base(5) + 2048] {
+            assert!(matches!(h.free(p), SmallFree::Freed(None)));
+            h.check(base(10)).unwrap();
+        }
+        assert_eq!(h.alloc(c), Some(base(5) + 2048));
+        assert_eq!(h.alloc(c), Some(base(5) + 7 * 2048));
+        assert_eq!(h.alloc(c), Some(base(9) + 3 * 2048));
+        assert_eq!(h.alloc(c), None);
+        h.check(base(10)).unwrap();
+    }
+
+    #[test]
+    fn only_the_current_span_stays_empty() {
+        let c = class_for(4096, 8).unwrap();
+        let cap = capacity(c);
+        let mut h = heap(16);
+        let lo: Vec<usize> = (0..cap).map(|_| alloc(&mut h, c, 3)).collect();
+        let hi: Vec<usize> = (0..cap).map(|_| alloc(&mut h, c, 7)).collect();
+        // Emptying the higher span: it is the only one with room, so it is current and stays.
+        for &p in &hi {
+            assert!(matches!(h.free(p), SmallFree::Freed(None)));
+        }
+        assert_eq!(h.spans_live, 2);
+        h.check(base(8)).unwrap();
+        // A hole in the lower span makes it current; the empty higher one goes back at once.
+        match h.free(lo[5]) {
+            SmallFree::Freed(Some(b)) => assert_eq!(b, base(7)),
+            _ => panic!("the replaced empty span was not given back"),
+        }
+        assert_eq!(h.spans_live, 1);
+        h.check(base(8)).unwrap();
+        // Emptying the current span keeps it; nothing goes back.
+        for (k, &p) in lo.iter().enumerate() {
+            if k != 5 {
+                assert!(matches!(h.free(p), SmallFree::Freed(None)));
+            }
+        }
+        assert_eq!((h.spans_live, h.objects), (1, 0));
+        h.check(base(8)).unwrap();
+    }
+
+    #[test]
+    fn span_sets_agree_with_a_reference_set() {
+        // 300,000 spans: four levels.
+        let n = 300_000;
+        let mut sets = SpanSets::new(vec![0u64; SpanSets::words_for(n)].leak(), n);
+        assert_eq!(sets.levels, 4);
+        let mut reference = vec![std::collections::BTreeSet::new(); NUM_CLASSES];
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..200_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let c = (x % 3) as usize * 13;
+            // Mostly low indices, some anywhere: both dense and sparse words.
+            let i = if x & 0x100 != 0 {
+                (x >> 20) as usize % 2000
+            } else {
+                (x >> 20) as usize % n
+            };
+            if reference[c].contains(&i) {
+                sets.remove(c, i);
+                reference[c].remove(&i);
+            } else {
+                sets.insert(c, i);
+                reference[c].insert(i);
+            }
+            assert_eq!(sets.first(c), reference[c].first().copied());
+        }
+        for (c, r) in reference.iter().enumerate() {
+            for i in 0..n {
+                assert_eq!(sets.contains(c, i), r.contains(&i));
+            }
+        }
+        sets.check(n.div_ceil(64)).unwrap();
+        // A summary bit left set over an empty word is caught.
+        let top = *reference[13].last().unwrap();
+        let w = sets.at(13, 0, top / 64);
+        let saved = sets.words[w];
+        sets.words[w] = 0;
+        assert!(sets.check(n.div_ceil(64)).is_err());
+        sets.words[w] = saved;
+        sets.check(n.div_ceil(64)).unwrap();
+    }
+
+    #[test]
+    fn check_catches_a_span_missing_from_its_set() {
+        let c = class_for(100, 8).unwrap();
+        let mut h = heap(8);
+        let p = alloc(&mut h, c, 4);
+        h.check(base(5)).unwrap();
+        // The current span missing from the set.
+        h.sets.remove(c, 4);
+        assert_eq!(
+            h.check(base(5)),
+            Err("current span is not the lowest span of its class with room")
+        );
+        h.sets.insert(c, 4);
+        h.check(base(5)).unwrap();
+        // A window that is not a span, in the set above the current one.
+        h.sets.insert(c, 3 + 3);
+        assert_eq!(
+            h.check(base(7)),
+            Err("span set disagrees with the span table")
+        );
+        h.sets.remove(c, 6);
+        h.check(base(7)).unwrap();
+        assert!(matches!(h.free(p), SmallFree::Freed(None)));
+    }
+
+    #[test]
+    fn purge_gives_back_whole_free_pages_once() {
+        // 4 KiB objects: one page each.
+        let c = class_for(4096, 8).unwrap();
+        let mut h = heap(8);
+        let objs: Vec<usize> = (0..capacity(c)).map(|_| alloc(&mut h, c, 1)).collect();
+        for k in [3, 4, 5, 9] {
+            h.free(objs[k]);
+        }
+        let mut runs = Vec::new();
+        let covered = h.purge(base(2), |a, l| runs.push((a, l)));
+        assert_eq!(
+            runs,
+            vec![(base(1) + 3 * 4096, 3 * 4096), (base(1) + 9 * 4096, 4096)]
+        );
+        assert_eq!(covered, 4 * 4096);
+        // Already given back: nothing the second time.
+        assert_eq!(h.purge(base(2), |_, _| panic!("purged twice")), 0);
+        // Allocating the lowest free object makes its page resident again, and freeing it makes
+        // it a candidate again.
+        assert_eq!(h.alloc(c), Some(objs[3]));
+        assert_eq!(h.purge(base(2), |_, _| panic!("page of a live object")), 0);
+        h.free(objs[3]);
+        let mut runs = Vec::new();
+        h.purge(base(2), |a, l| runs.push((a, l)));
+        assert_eq!(runs, vec![(objs[3], 4096)]);
+        h.check(base(2)).unwrap();
+    }
+
+    #[test]
+    fn purge_keeps_pages_shared_with_a_live_object() {
+        // 3 KiB objects straddle pages: page 2 (8..12 KiB) meets objects 2 (6..9 KiB) and 3
+        // (9..12 KiB).
+        let c = class_for(3072, 8).unwrap();
+        let mut h = heap(8);
+        let objs: Vec<usize> = (0..capacity(c)).map(|_| alloc(&mut h, c, 1)).collect();
+        h.free(objs[3]);
+        assert_eq!(
+            h.purge(base(2), |_, _| panic!("page 2 still meets object 2")),
+            0
+        );
+        h.free(objs[2]);
+        let mut runs = Vec::new();
+        h.purge(base(2), |a, l| runs.push((a, l)));
+        // Objects 2 and 3 cover 6..12 KiB: only page 2 is whole and free (page 1 meets object 1).
+        assert_eq!(runs, vec![(base(1) + 2 * 4096, 4096)]);
+        // The last page of the span holds no object start past the capacity (21 x 3 KiB = 63
+        // KiB), but meets object 20, which is live.
+        h.check(base(2)).unwrap();
     }
 
     #[test]
