@@ -265,7 +265,8 @@ fn fork_prepare_races_init_use_drop_and_exit() {
             })
         };
         bfc_alloc::host::loom_fork_prepare();
-        bfc_alloc::host::loom_fork_release();
+        // SAFETY: the prepare step just ran on this thread.
+        unsafe { bfc_alloc::host::loom_fork_release() };
         worker.join().unwrap();
         assert_tagged(first, 1);
         free_all_and_check(&a, [first]);

@@ -62,7 +62,7 @@
 //!
 //! # `fork`
 //!
-//! A `pthread_atfork` handler (installed with the first heap) takes every heap's lock before a
+//! A `pthread_atfork` handler (installed before the first heap's initialisation takes any lock) takes every heap's lock before a
 //! `fork` and releases it in both processes afterwards, so the child can allocate even when another
 //! thread was inside the allocator at the moment of the fork. In the child the other threads'
 //! cached blocks are lost (their threads do not exist there), and the first use rebuilds the cache
@@ -331,9 +331,13 @@ fn fork_prepare() {
 }
 
 /// Releases what [`fork_prepare`] took, in the parent and in the child.
-fn fork_release() {
-    // SAFETY: `fork_prepare` took each of these locks on this thread (in the child: on the thread
-    // that forked, which is this one), and nothing released them since.
+///
+/// # Safety
+///
+/// [`fork_prepare`] ran on this thread (in the child: on the thread that forked, which is this one)
+/// and nothing released its locks since.
+unsafe fn fork_release() {
+    // SAFETY: by the contract, this thread holds each of these locks.
     unsafe {
         for_each_heap(|a| a.heap.unlock_held());
         heaps().lock.unlock_held();
@@ -357,10 +361,15 @@ pub fn loom_fork_prepare() {
 }
 
 /// Loom build: the release step that follows the `fork` in the parent.
+///
+/// # Safety
+///
+/// [`loom_fork_prepare`] ran on this thread and this is the first release since.
 #[cfg(loom)]
 #[doc(hidden)]
-pub fn loom_fork_release() {
-    fork_release();
+pub unsafe fn loom_fork_release() {
+    // SAFETY: the caller's contract is `fork_release`'s.
+    unsafe { fork_release() };
 }
 
 #[cfg(not(loom))]
@@ -370,7 +379,8 @@ extern "C" fn on_fork_prepare() {
 
 #[cfg(not(loom))]
 extern "C" fn on_fork_parent() {
-    fork_release();
+    // SAFETY: libc runs the parent handler on the forking thread, after the prepare handler.
+    unsafe { fork_release() };
 }
 
 /// In the child, also records the one thread cache that survives (see `Heap::after_fork`).
@@ -385,33 +395,48 @@ extern "C" fn on_fork_child() {
         FORK_SURVIVOR[1].store(owner, Relaxed);
         FORK_GEN.fetch_add(1, Relaxed);
     }
-    fork_release();
+    // SAFETY: libc runs the child handler on the child's only thread, the one that forked and ran
+    // the prepare handler.
+    unsafe { fork_release() };
 }
 
-/// Puts a new heap on the list and installs the `fork` handlers (once). The caller holds the list's
-/// lock.
+/// Registers the `fork` handlers, once per process, before any lock they take is first taken (the
+/// first instance's initialisation calls it before taking the heap-list lock). `pthread_once`, not
+/// a flag of our own: glibc reruns it in a child forked while another thread was inside it, where a
+/// hand-made "registering" state would stay stuck.
+#[cfg(not(loom))]
+fn install_fork_handlers() {
+    struct Once(core::cell::UnsafeCell<libc::pthread_once_t>);
+    // SAFETY: only `pthread_once` touches the cell, and it synchronises itself.
+    unsafe impl Sync for Once {}
+    static ONCE: Once = Once(core::cell::UnsafeCell::new(libc::PTHREAD_ONCE_INIT));
+    extern "C" fn register() {
+        // SAFETY: registers handlers that take and release this crate's locks and touch atomics
+        // and this thread's cache; none of them allocates. Nothing of ours is locked here.
+        let rc = unsafe {
+            libc::pthread_atfork(
+                Some(on_fork_prepare),
+                Some(on_fork_parent),
+                Some(on_fork_child),
+            )
+        };
+        // It fails only when libc's own malloc does (ENOMEM). The allocator works the same without
+        // the handlers; only a `fork` while another thread holds one of its locks could then leave
+        // the child unable to allocate (it would hang, as with any allocator that has no handlers).
+        let _ = rc;
+    }
+    // SAFETY: `ONCE` is a static `pthread_once_t` initialised with `PTHREAD_ONCE_INIT`, and
+    // `register` neither unwinds nor calls `pthread_once` on it.
+    unsafe { libc::pthread_once(ONCE.0.get(), register) };
+}
+
+/// Puts a new heap on the list. The caller holds the list's lock.
 fn link_heap(anchor: &Anchor) {
     use core::sync::atomic::Ordering::Relaxed;
     anchor.next.store(heaps().head.load(Relaxed), Relaxed);
     heaps()
         .head
         .store(anchor as *const Anchor as usize, Relaxed);
-    #[cfg(not(loom))]
-    {
-        static INSTALLED: core::sync::atomic::AtomicBool =
-            core::sync::atomic::AtomicBool::new(false);
-        if !INSTALLED.swap(true, Relaxed) {
-            // SAFETY: registers handlers that take and release this crate's locks and touch
-            // atomics and this thread's cache; none of them allocates.
-            unsafe {
-                libc::pthread_atfork(
-                    Some(on_fork_prepare),
-                    Some(on_fork_parent),
-                    Some(on_fork_child),
-                )
-            };
-        }
-    }
 }
 
 /// Takes a heap off the list (before its memory is unmapped).
@@ -450,14 +475,14 @@ fn fork_generation() -> usize {
 /// Serialises thread-exit flushes with instance drops (see `tcache`'s docs).
 #[cfg(all(feature = "std", not(loom)))]
 fn bindings() -> &'static SpinLock<()> {
-    static BINDINGS: SpinLock<()> = SpinLock::new(());
+    static BINDINGS: SpinLock<()> = SpinLock::with_reentry_handler((), reentered);
     &BINDINGS
 }
 
 #[cfg(all(feature = "std", loom))]
 fn bindings() -> &'static SpinLock<()> {
     loom::lazy_static! {
-        static ref BINDINGS: SpinLock<()> = SpinLock::new(());
+        static ref BINDINGS: SpinLock<()> = SpinLock::with_reentry_handler((), reentered);
     }
     &BINDINGS
 }
@@ -667,6 +692,10 @@ impl GlobalBfc {
     #[cold]
     #[inline(never)]
     fn init(&self) -> *mut Anchor {
+        // The handlers must be in place before the first lock they take is taken: a `fork` while
+        // this thread held the list's lock, with no handler yet, would leave it held in the child.
+        #[cfg(not(loom))]
+        install_fork_handlers();
         // Held for the whole initialisation, so a `fork` (whose prepare step takes it) never
         // happens while an instance's `state` lock is held by another thread.
         let _heaps = heaps().lock.lock();
