@@ -529,11 +529,27 @@ impl Anchor {
     /// `fork` repairs the cache registry (see `Heap::after_fork`).
     #[inline]
     fn with<R>(&self, f: impl FnOnce(&mut Heap) -> R) -> R {
-        self.heap.lock().with(|h| {
+        let unwinding = AbortOnUnwind;
+        let r = self.heap.lock().with(|h| {
             #[cfg(feature = "std")]
             h.after_fork();
             f(h)
-        })
+        });
+        core::mem::forget(unwinding);
+        r
+    }
+}
+
+/// Armed around every use of a heap and forgotten when it returns: dropped only if a panic (a bug:
+/// nothing under the lock panics by design) unwinds through it, and then it aborts with a message,
+/// instead of letting the unwind leave `GlobalAlloc` (undefined behaviour) or a heap half-updated.
+struct AbortOnUnwind;
+
+impl Drop for AbortOnUnwind {
+    fn drop(&mut self) {
+        os::fatal(format_args!(
+            "panic inside the allocator, with its heap locked"
+        ))
     }
 }
 
@@ -737,8 +753,9 @@ fn reentered() -> ! {
     ))
 }
 
-// The heap is only reached under its lock, and nothing panics while holding it (errors abort),
-// so a panic elsewhere cannot leave it half-updated for the code that catches the panic.
+// The heap is only reached under its lock, and nothing panics while holding it (errors abort, and
+// so would a panic: `AbortOnUnwind`), so a panic elsewhere cannot leave it half-updated for the
+// code that catches the panic.
 impl core::panic::RefUnwindSafe for GlobalBfc {}
 impl core::panic::UnwindSafe for GlobalBfc {}
 
@@ -1735,5 +1752,40 @@ unsafe impl allocator_api2::alloc::Allocator for GlobalBfc {
         NonNull::new(p)
             .map(|p| NonNull::slice_from_raw_parts(p, new.size()))
             .ok_or(allocator_api2::alloc::AllocError)
+    }
+}
+
+#[cfg(all(test, feature = "std", not(loom)))]
+mod tests {
+    use super::*;
+
+    /// Set in the child process that [`a_panic_under_the_heap_lock_aborts`] runs.
+    const CHILD_ENV: &str = "BFC_ALLOC_PANIC_UNDER_LOCK";
+
+    #[test]
+    fn a_panic_under_the_heap_lock_aborts() {
+        if std::env::var_os(CHILD_ENV).is_some() {
+            let a = GlobalBfc::new();
+            a.with_heap(|_| panic!("a bug under the lock"));
+            std::println!("child survived");
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "host::tests::a_panic_under_the_heap_lock_aborts",
+                "--nocapture",
+            ])
+            .env(CHILD_ENV, "1")
+            .output()
+            .unwrap();
+        let stderr = std::string::String::from_utf8_lossy(&out.stderr);
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(out.status.signal(), Some(libc::SIGABRT), "{stderr}");
+        assert!(
+            stderr.contains("bfc-alloc: fatal: panic inside the allocator, with its heap locked"),
+            "{stderr}"
+        );
+        assert!(!std::string::String::from_utf8_lossy(&out.stdout).contains("survived"));
     }
 }
