@@ -302,6 +302,53 @@ fn allocator_api2_allocate_and_grow() {
 }
 
 #[test]
+fn blocks_of_64_kib_or_more_start_at_64_kib_boundaries() {
+    let local = GlobalBfc::with_config(bfc_alloc::HostConfig {
+        arena_size: 1 << 30,
+        ..bfc_alloc::HostConfig::DEFAULT
+    });
+    let mut live = Vec::new();
+    unsafe {
+        // Interleaved with odd-sized medium blocks, so the free space is never aligned by chance.
+        for (i, size) in [65_536usize, 70_001, 1 << 20, 3 << 20, 65_537, 200_000]
+            .into_iter()
+            .cycle()
+            .take(60)
+            .enumerate()
+        {
+            let medium = Layout::from_size_align(4100 + i * 48, 8).unwrap();
+            let m = local.alloc(medium);
+            assert!(!m.is_null());
+            let l = Layout::from_size_align(size, 8).unwrap();
+            let p = local.alloc(l);
+            assert!(!p.is_null());
+            assert_eq!(p as usize % 65_536, 0, "{size} bytes at {p:p}");
+            p.write(i as u8);
+            live.push((p, l));
+            if i % 3 == 0 {
+                let (q, lq) = live.swap_remove(i % live.len());
+                local.dealloc(q, lq);
+            }
+            local.dealloc(m, medium);
+        }
+        // Growth that moves keeps the grid; smaller blocks are not padded.
+        let (p, l) = live.pop().unwrap();
+        let q = local.realloc(p, l, 40 << 20);
+        assert_eq!(q as usize % 65_536, 0);
+        let small = Layout::from_size_align(65_535, 8).unwrap();
+        let s = local.alloc(small);
+        assert!(!s.is_null());
+        local.dealloc(s, small);
+        local.dealloc(q, Layout::from_size_align(40 << 20, 8).unwrap());
+        for (p, l) in live {
+            local.dealloc(p, l);
+        }
+    }
+    local.check().unwrap();
+    assert_eq!(local.stats().bytes_in_use, 0);
+}
+
+#[test]
 fn a_private_instance_works_beside_the_global_one() {
     let local = GlobalBfc::with_config(bfc_alloc::HostConfig {
         arena_size: 1 << 30,
