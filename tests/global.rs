@@ -331,14 +331,11 @@ fn blocks_of_64_kib_or_more_start_at_64_kib_boundaries() {
             }
             local.dealloc(m, medium);
         }
-        // Growth that moves keeps the grid; smaller blocks are not padded.
+        // A grown block is on the grid, whether it moved (a new block) or stayed.
         let (p, l) = live.pop().unwrap();
         let q = local.realloc(p, l, 40 << 20);
         assert_eq!(q as usize % 65_536, 0);
-        let small = Layout::from_size_align(65_535, 8).unwrap();
-        let s = local.alloc(small);
-        assert!(!s.is_null());
-        local.dealloc(s, small);
+        assert_eq!(*q, 59);
         local.dealloc(q, Layout::from_size_align(40 << 20, 8).unwrap());
         for (p, l) in live {
             local.dealloc(p, l);
@@ -346,6 +343,26 @@ fn blocks_of_64_kib_or_more_start_at_64_kib_boundaries() {
     }
     local.check().unwrap();
     assert_eq!(local.stats().bytes_in_use, 0);
+}
+
+#[test]
+fn large_blocks_near_the_arena_limit_still_fit() {
+    // The 64 KiB grid is a preference: a block whose padding would not fit is placed as asked.
+    for size in [4 << 20, (4 << 20) - 16, (4 << 20) - (32 << 10)] {
+        let local = GlobalBfc::with_config(bfc_alloc::HostConfig {
+            arena_size: 4 << 20,
+            min_arena_size: 4 << 20,
+            ..bfc_alloc::HostConfig::DEFAULT
+        });
+        let l = Layout::from_size_align(size, 8).unwrap();
+        unsafe {
+            let p = local.alloc(l);
+            assert!(!p.is_null(), "{size} bytes in a 4 MiB arena");
+            p.write(1);
+            local.dealloc(p, l);
+        }
+        local.check().unwrap();
+    }
 }
 
 #[test]

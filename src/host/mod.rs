@@ -4,7 +4,7 @@
 //! `MAP_NORESERVE` (halving down to [`HostConfig::min_arena_size`] if the kernel refuses), plus a
 //! separate reservation for metadata: the pointer map (4 bytes per 512 arena bytes), the chunk table
 //! ([`HostConfig::chunk_capacity`] records of 32 bytes), and the slab layer's span table and span
-//! sets (under 0.2% of the arena). Nothing is committed up front: pages are backed
+//! sets (under 1% of the arena). Nothing is committed up front: pages are backed
 //! when first touched, so the resident cost follows the bytes and chunks actually used. Initialisation
 //! allocates nothing.
 //!
@@ -15,8 +15,9 @@
 //! small allocation or free is a bit operation and a double free is still detected. Each class takes
 //! the lowest free object of its lowest span with room, so a class's touched memory follows its peak
 //! live bytes, and its spans above that drain and go back to the engine for any size to reuse.
-//! Everything larger goes to the engine, with its best fit and coalescing; blocks of 64 KiB or more
-//! start at a 64 KiB boundary, so the first pages of a new large block are likely already touched.
+//! Everything larger goes to the engine, with its best fit and coalescing; new blocks of 64 KiB or
+//! more start at a 64 KiB boundary where the arena has room for the padding, so the first pages of a
+//! new large block are likely already touched.
 //!
 //! # Thread caches (`std`)
 //!
@@ -373,20 +374,36 @@ pub unsafe fn loom_fork_release() {
     unsafe { fork_release() };
 }
 
+/// Whether the prepare handler holds the locks. The handlers may be registered twice (a child forked
+/// while `pthread_once` ran the registration reruns it), so each runs at most once per `fork`: libc
+/// runs a fork's handlers one after another under its own lock, so one flag is enough.
+#[cfg(not(loom))]
+static FORK_HELD: core::sync::atomic::AtomicBool = core::sync::atomic::AtomicBool::new(false);
+
 #[cfg(not(loom))]
 extern "C" fn on_fork_prepare() {
-    fork_prepare();
+    use core::sync::atomic::Ordering::Relaxed;
+    if !FORK_HELD.load(Relaxed) {
+        fork_prepare();
+        FORK_HELD.store(true, Relaxed);
+    }
 }
 
 #[cfg(not(loom))]
 extern "C" fn on_fork_parent() {
-    // SAFETY: libc runs the parent handler on the forking thread, after the prepare handler.
-    unsafe { fork_release() };
+    if FORK_HELD.swap(false, core::sync::atomic::Ordering::Relaxed) {
+        // SAFETY: the prepare handler took the locks on this thread (libc runs a fork's handlers
+        // on the forking thread) and nothing released them since: the flag was set.
+        unsafe { fork_release() };
+    }
 }
 
 /// In the child, also records the one thread cache that survives (see `Heap::after_fork`).
 #[cfg(not(loom))]
 extern "C" fn on_fork_child() {
+    if !FORK_HELD.swap(false, core::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
     #[cfg(feature = "std")]
     {
         use core::sync::atomic::Ordering::Relaxed;
@@ -397,7 +414,7 @@ extern "C" fn on_fork_child() {
         FORK_GEN.fetch_add(1, Relaxed);
     }
     // SAFETY: libc runs the child handler on the child's only thread, the one that forked and ran
-    // the prepare handler.
+    // the prepare handler (the flag was set).
     unsafe { fork_release() };
 }
 
@@ -495,8 +512,9 @@ fn bindings() -> &'static SpinLock<()> {
 pub static LOOM_SKIP_DROP_BINDINGS: crate::sync::UnmodelledAtomicBool =
     crate::sync::UnmodelledAtomicBool::new(false);
 
-/// Engine blocks of at least this size start at a multiple of it (64 KiB, like Windows' allocation
-/// granularity). Large blocks are often used from the start and left partly untouched (buffers sized
+/// New engine blocks of at least this size start at a multiple of it (64 KiB, like Windows'
+/// allocation granularity), unless the padding does not fit near the arena's limit (then they are
+/// placed as asked). A block grown in place keeps its address. Large blocks are often used from the start and left partly untouched (buffers sized
 /// for the largest message, reserved capacity): on a coarse grid, a new block's first pages are
 /// likely pages an earlier block already touched, so it faults fewer pages in, and the process
 /// keeps fewer of them resident. The padding before a block stays a free chunk for smaller
@@ -543,16 +561,18 @@ impl Anchor {
     fn with<R>(&self, f: impl FnOnce(&mut Heap) -> R) -> R {
         // Not in loom builds: loom reports a failed model (a deadlock, say) by panicking wherever
         // the thread is, and the model's test expects that panic.
-        #[cfg(not(loom))]
-        let unwinding = AbortOnUnwind;
-        let r = self.heap.lock().with(|h| {
+        self.heap.lock().with(|h| {
+            // Dropped (and so aborting) while the lock is still held: nobody sees the heap a
+            // panic left half-updated.
+            #[cfg(not(loom))]
+            let unwinding = AbortOnUnwind;
             #[cfg(feature = "std")]
             h.after_fork();
-            f(h)
-        });
-        #[cfg(not(loom))]
-        core::mem::forget(unwinding);
-        r
+            let r = f(h);
+            #[cfg(not(loom))]
+            core::mem::forget(unwinding);
+            r
+        })
     }
 }
 
@@ -969,12 +989,17 @@ impl Heap {
             self.note_peak(size);
             return p as *mut u8;
         }
-        let align = if size >= LARGE_ALIGN {
+        let grid = if size >= LARGE_ALIGN {
             align.max(LARGE_ALIGN)
         } else {
             align
         };
-        match self.bfc.allocate(size, align) {
+        let mut found = self.bfc.allocate(size, grid);
+        if found.is_err() && grid != align {
+            // The grid is a preference: near the arena's limit the padding it needs may not fit.
+            found = self.bfc.allocate(size, align);
+        }
+        match found {
             Ok(p) => {
                 self.note_allocated(p, size);
                 self.note_peak(size);
@@ -1784,34 +1809,96 @@ unsafe impl allocator_api2::alloc::Allocator for GlobalBfc {
 #[cfg(all(test, feature = "std", not(loom)))]
 mod tests {
     use super::*;
+    use std::os::unix::process::ExitStatusExt;
+    use std::string::String;
 
-    /// Set in the child process that [`a_panic_under_the_heap_lock_aborts`] runs.
-    const CHILD_ENV: &str = "BFC_ALLOC_PANIC_UNDER_LOCK";
+    /// Names the case a child process runs (see [`run_child`]).
+    const CHILD_ENV: &str = "BFC_ALLOC_HOST_UNIT_CHILD";
+
+    /// An instance with a small arena (reservable anywhere).
+    fn small_instance() -> GlobalBfc {
+        GlobalBfc::with_config(HostConfig {
+            arena_size: 64 << 20,
+            min_arena_size: 64 << 20,
+            chunk_capacity: 1 << 12,
+            ..HostConfig::DEFAULT
+        })
+    }
+
+    /// Whether this process is the child running `case`.
+    fn is_child(case: &str) -> bool {
+        std::env::var(CHILD_ENV).is_ok_and(|c| c == case)
+    }
+
+    /// Runs the test `host::tests::<case>` in a child process: `(status, stdout, stderr)`.
+    fn run_child(case: &str) -> (std::process::ExitStatus, String, String) {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                &std::format!("host::tests::{case}"),
+                "--nocapture",
+            ])
+            .env(CHILD_ENV, case)
+            .output()
+            .unwrap();
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
 
     #[test]
     fn a_panic_under_the_heap_lock_aborts() {
-        if std::env::var_os(CHILD_ENV).is_some() {
-            let a = GlobalBfc::new();
+        let case = "a_panic_under_the_heap_lock_aborts";
+        if is_child(case) {
+            let a = small_instance();
             a.with_heap(|_| panic!("a bug under the lock"));
             std::println!("child survived");
             return;
         }
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "host::tests::a_panic_under_the_heap_lock_aborts",
-                "--nocapture",
-            ])
-            .env(CHILD_ENV, "1")
-            .output()
-            .unwrap();
-        let stderr = std::string::String::from_utf8_lossy(&out.stderr);
-        use std::os::unix::process::ExitStatusExt;
-        assert_eq!(out.status.signal(), Some(libc::SIGABRT), "{stderr}");
+        let (status, stdout, stderr) = run_child(case);
+        assert_eq!(status.signal(), Some(libc::SIGABRT), "{stderr}");
         assert!(
             stderr.contains("bfc-alloc: fatal: panic inside the allocator, with its heap locked"),
             "{stderr}"
         );
-        assert!(!std::string::String::from_utf8_lossy(&out.stdout).contains("survived"));
+        assert!(!stdout.contains("survived"));
+    }
+
+    #[test]
+    fn fork_handlers_registered_twice_run_once() {
+        // A child forked while `pthread_once` ran the registration registers the handlers again;
+        // libc then runs each twice per fork (prepare handlers in reverse order, the others in
+        // order). In a child process: a second prepare step would abort (re-entered lock).
+        let case = "fork_handlers_registered_twice_run_once";
+        if is_child(case) {
+            let a = small_instance();
+            let l = Layout::from_size_align(100_000, 8).unwrap();
+            // SAFETY: a non-zero layout; the block is freed with it.
+            unsafe { a.dealloc(a.alloc(l), l) };
+            for child in [false, true] {
+                on_fork_prepare();
+                on_fork_prepare();
+                if child {
+                    on_fork_child();
+                    on_fork_child();
+                } else {
+                    on_fork_parent();
+                    on_fork_parent();
+                }
+                // SAFETY: as above.
+                let p = unsafe { a.alloc(l) };
+                assert!(!p.is_null());
+                // SAFETY: `p` came from `a.alloc(l)`.
+                unsafe { a.dealloc(p, l) };
+                a.check().unwrap();
+            }
+            std::println!("child done");
+            return;
+        }
+        let (status, stdout, stderr) = run_child(case);
+        assert!(status.success(), "{status:?}: {stderr}");
+        assert!(stdout.contains("child done"), "{stdout}");
     }
 }

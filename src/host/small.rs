@@ -22,8 +22,9 @@
 //! class's current span. Memory held this way is bounded by the live objects' spans plus one current
 //! span per class (28 x 64 KiB).
 //!
-//! Invariants: a span of class `c` is in `sets[c]` iff it has a free object, and `classes[c].current`
-//! is the lowest span in `sets[c]` (0 when the set is empty).
+//! Invariants: a span of class `c` is in `sets[c]` iff it has a free object, and `current[c]` is the
+//! lowest span in `sets[c]` (0 when the set is empty); only the current span may have no object
+//! allocated.
 
 /// Largest small request.
 pub(crate) const SMALL_MAX: usize = 4096;
@@ -115,7 +116,7 @@ pub(crate) struct Span {
 /// non-zero.
 ///
 /// The classes' words are interleaved (word `j` of a level holds class `c` at `j * NUM_CLASSES + c`),
-/// so a heap whose spans lie in the first 576 MiB of the arena touches one page of level 0.
+/// so a heap whose spans lie in the first 72 MiB of the arena touches one page of level 0.
 pub(crate) struct SpanSets {
     words: &'static mut [u64],
     /// Offset (in words, before interleaving) of each level; `levels` levels are in use.
@@ -850,6 +851,43 @@ mod tests {
         h.purge(base(2), |a, l| runs.push((a, l)));
         assert_eq!(runs, vec![(objs[3], 4096)]);
         h.check(base(2)).unwrap();
+    }
+
+    #[test]
+    fn purge_with_16_and_64_kib_pages() {
+        let c = class_for(4096, 8).unwrap();
+        for (page, pages) in [(16 << 10, 4), (64 << 10, 1)] {
+            let table: Vec<Span> = (0..4)
+                .map(|_| Span {
+                    class: 0,
+                    free: 0,
+                    purged: 0,
+                    avail: 0,
+                    bits: [0; WORDS],
+                })
+                .collect();
+            let sets = vec![0u64; SpanSets::words_for(4)];
+            let mut h = SmallHeap::new(ARENA, page, table.leak(), sets.leak());
+            let objs: Vec<usize> = (0..capacity(c)).map(|_| alloc(&mut h, c, 1)).collect();
+            // Free every object but the last: every page but the last is whole and free.
+            for &p in &objs[..capacity(c) - 1] {
+                h.free(p);
+            }
+            let mut runs = Vec::new();
+            h.purge(base(2), |a, l| runs.push((a, l)));
+            let expect = if pages == 1 {
+                vec![]
+            } else {
+                vec![(base(1), (pages - 1) * page)]
+            };
+            assert_eq!(runs, expect, "{page}-byte pages");
+            // The last object's page comes back once it is freed, and only then.
+            h.free(objs[capacity(c) - 1]);
+            let mut runs = Vec::new();
+            h.purge(base(2), |a, l| runs.push((a, l)));
+            assert_eq!(runs, vec![(base(1) + (pages - 1) * page, page)]);
+            h.check(base(2)).unwrap();
+        }
     }
 
     #[test]
