@@ -4,8 +4,8 @@
 //! `MAP_NORESERVE` (halving down to [`HostConfig::min_arena_size`] if the kernel refuses), plus a
 //! separate reservation for metadata: the pointer map (4 bytes per 512 arena bytes), the chunk table
 //! ([`HostConfig::chunk_capacity`] records of 32 bytes), and the slab layer's span table and span
-//! sets (under 1% of the arena). Nothing is committed up front: pages are backed
-//! when first touched, so the resident cost follows the bytes and chunks actually used. Initialisation
+//! sets (under 1% of the arena). Nothing is committed up front: pages are backed when first
+//! touched, so the resident cost follows the bytes and chunks actually used. Initialisation
 //! allocates nothing.
 //!
 //! The whole arena is the engine's single region, so any two neighbouring free blocks coalesce.
@@ -47,8 +47,9 @@
 //!   `2R` of it were touched.
 //! - A single freed block of 64 MiB or more (and at least `16T`) returns its pages at once.
 //! - Elsewhere, blocks freed into free chunks of at least `T` bytes are counted. Once the count
-//!   reaches twice the bytes in use (and at least `16T` and `2R`), a sweep runs. It returns the pages of the
-//!   free chunks that were already free and unchanged at the previous sweep, and marks the others.
+//!   reaches twice the bytes in use (and at least `16T` and `2R`), a sweep runs. It returns the
+//!   pages of the free chunks that were already free and unchanged at the previous sweep, and marks
+//!   the others.
 //!   So memory a program frees and allocates again in cycles keeps its pages, and memory that stays
 //!   free goes back within two sweeps (a decay counted in freed bytes, not time).
 //!
@@ -64,9 +65,9 @@
 //!
 //! # `fork`
 //!
-//! A `pthread_atfork` handler (installed before the first heap's initialisation takes any lock) takes every heap's lock before a
-//! `fork` and releases it in both processes afterwards, so the child can allocate even when another
-//! thread was inside the allocator at the moment of the fork. In the child the other threads'
+//! A `pthread_atfork` handler (installed before the first heap's initialisation takes any lock)
+//! takes every heap's lock before a `fork` and releases it in both processes afterwards, so the
+//! child can allocate even when another thread was inside the allocator at the moment of the fork. In the child the other threads'
 //! cached blocks are lost (their threads do not exist there), and the first use rebuilds the cache
 //! registry. First-use initialisation runs under the global heap-list lock, which the handler also
 //! takes, so a `fork` never interrupts an initialisation either.
@@ -514,12 +515,12 @@ pub static LOOM_SKIP_DROP_BINDINGS: crate::sync::UnmodelledAtomicBool =
 
 /// New engine blocks of at least this size start at a multiple of it (64 KiB, like Windows'
 /// allocation granularity), unless the padding does not fit near the arena's limit (then they are
-/// placed as asked). A block grown in place keeps its address. Large blocks are often used from the start and left partly untouched (buffers sized
-/// for the largest message, reserved capacity): on a coarse grid, a new block's first pages are
-/// likely pages an earlier block already touched, so it faults fewer pages in, and the process
-/// keeps fewer of them resident. The padding before a block stays a free chunk for smaller
-/// requests. (bench-peers `large`, which writes each block's first byte: 1800 -> 1100 ns per step,
-/// peak RSS 30.5 -> 15.4 MiB.)
+/// placed as asked). A block grown in place keeps its address. Large blocks are often used from the
+/// start and left partly untouched (buffers sized for the largest message, reserved capacity): on a
+/// coarse grid, a new block's first pages are likely pages an earlier block already touched, so it
+/// faults fewer pages in, and the process keeps fewer of them resident. The padding before a block
+/// stays a free chunk for smaller requests. (bench-peers `large`, which writes each block's first
+/// byte: 1800 -> 1100 ns per step, peak RSS 30.5 -> 15.4 MiB.)
 const LARGE_ALIGN: usize = 64 << 10;
 
 /// A sweep of large interior free chunks runs after this many thresholds of frees into them, and at
@@ -559,11 +560,10 @@ impl Anchor {
     /// `fork` repairs the cache registry (see `Heap::after_fork`).
     #[inline]
     fn with<R>(&self, f: impl FnOnce(&mut Heap) -> R) -> R {
-        // Not in loom builds: loom reports a failed model (a deadlock, say) by panicking wherever
-        // the thread is, and the model's test expects that panic.
         self.heap.lock().with(|h| {
             // Dropped (and so aborting) while the lock is still held: nobody sees the heap a
-            // panic left half-updated.
+            // panic left half-updated. Not in loom builds: loom reports a failed model (a
+            // deadlock, say) by panicking wherever the thread is, and the model's test expects it.
             #[cfg(not(loom))]
             let unwinding = AbortOnUnwind;
             #[cfg(feature = "std")]

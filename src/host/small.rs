@@ -128,36 +128,32 @@ pub(crate) struct SpanSets {
 const MAX_LEVELS: usize = 6;
 
 impl SpanSets {
-    /// Words (`u64`) of storage for sets over `spans` span indices.
-    pub(crate) const fn words_for(spans: usize) -> usize {
-        let mut n = if spans == 0 { 1 } else { spans };
-        let mut total = 0;
-        loop {
-            let w = n.div_ceil(64);
-            total += w;
-            if w == 1 {
-                return total * NUM_CLASSES;
-            }
-            n = w;
-        }
-    }
-
-    /// Wraps zero-filled storage of [`Self::words_for`]`(spans)` words (all sets empty).
-    pub(crate) fn new(words: &'static mut [u64], spans: usize) -> Self {
+    /// Layout of one class's sets over `spans` span indices: the offset (in words) of each level,
+    /// the number of levels, and the words of all levels.
+    const fn layout(spans: usize) -> ([usize; MAX_LEVELS], usize, usize) {
         let mut offset = [0; MAX_LEVELS];
-        let mut n = spans.max(1);
-        let mut levels = 0;
-        let mut total = 0;
+        let mut n = if spans == 0 { 1 } else { spans };
+        let (mut levels, mut total) = (0, 0);
         loop {
             let w = n.div_ceil(64);
             offset[levels] = total;
             total += w;
             levels += 1;
             if w == 1 || levels == MAX_LEVELS {
-                break;
+                return (offset, levels, total);
             }
             n = w;
         }
+    }
+
+    /// Words (`u64`) of storage for sets over `spans` span indices.
+    pub(crate) const fn words_for(spans: usize) -> usize {
+        Self::layout(spans).2 * NUM_CLASSES
+    }
+
+    /// Wraps zero-filled storage of [`Self::words_for`]`(spans)` words (all sets empty).
+    pub(crate) fn new(words: &'static mut [u64], spans: usize) -> Self {
+        let (offset, levels, total) = Self::layout(spans);
         debug_assert!(total * NUM_CLASSES <= words.len());
         SpanSets {
             words,
@@ -507,9 +503,8 @@ impl SmallHeap {
             return 0;
         }
         let (page, pages) = (1usize << shift, SPAN >> shift);
-        let limit = ((brk.saturating_sub(self.arena) >> SPAN_SHIFT) + 1).min(self.spans.len());
         let mut covered = 0;
-        for i in 0..limit {
+        for i in 0..self.spans_below(brk) {
             let span = &mut self.spans[i];
             if span.class == 0 {
                 continue;
@@ -545,7 +540,7 @@ impl SmallHeap {
         let (mut objects, mut bytes, mut spans) = (0usize, 0usize, 0usize);
         // Only the prefix of the table that can hold spans in use is walked (and the sets' words
         // over it: no span beyond it is in a set).
-        let limit = ((brk.saturating_sub(self.arena) >> SPAN_SHIFT) + 1).min(self.spans.len());
+        let limit = self.spans_below(brk);
         self.sets.check(limit.div_ceil(64))?;
         for c in 0..NUM_CLASSES {
             let first = self.sets.first(c);
@@ -600,8 +595,13 @@ impl SmallHeap {
     /// Span-table and span-set bytes that may be resident (entries up to the highest span ever
     /// used).
     pub(crate) fn metadata_bytes(&self, brk: usize) -> usize {
-        let entries = (brk.saturating_sub(self.arena) >> SPAN_SHIFT) + 1;
+        let entries = self.spans_below(brk);
         entries * Self::ENTRY + self.sets.resident_bytes(entries.div_ceil(64))
+    }
+
+    /// Span-table entries that can hold a span, given `brk` (the highest address ever handed out).
+    fn spans_below(&self, brk: usize) -> usize {
+        ((brk.saturating_sub(self.arena) >> SPAN_SHIFT) + 1).min(self.spans.len())
     }
 }
 
@@ -668,8 +668,12 @@ mod tests {
     }
 
     /// A heap over a fake arena at `ARENA` of `spans` spans (the slab layer never touches object
-    /// memory, so none is needed).
+    /// memory, so none is needed), with 4 KiB pages.
     fn heap(spans: usize) -> SmallHeap {
+        heap_with_pages(spans, 4096)
+    }
+
+    fn heap_with_pages(spans: usize, page: usize) -> SmallHeap {
         let table: Vec<Span> = (0..spans)
             .map(|_| Span {
                 class: 0,
@@ -680,7 +684,7 @@ mod tests {
             })
             .collect();
         let sets = vec![0u64; SpanSets::words_for(spans)];
-        SmallHeap::new(ARENA, 4096, table.leak(), sets.leak())
+        SmallHeap::new(ARENA, page, table.leak(), sets.leak())
     }
 
     const ARENA: usize = 1 << 40;
@@ -857,17 +861,7 @@ mod tests {
     fn purge_with_16_and_64_kib_pages() {
         let c = class_for(4096, 8).unwrap();
         for (page, pages) in [(16 << 10, 4), (64 << 10, 1)] {
-            let table: Vec<Span> = (0..4)
-                .map(|_| Span {
-                    class: 0,
-                    free: 0,
-                    purged: 0,
-                    avail: 0,
-                    bits: [0; WORDS],
-                })
-                .collect();
-            let sets = vec![0u64; SpanSets::words_for(4)];
-            let mut h = SmallHeap::new(ARENA, page, table.leak(), sets.leak());
+            let mut h = heap_with_pages(4, page);
             let objs: Vec<usize> = (0..capacity(c)).map(|_| alloc(&mut h, c, 1)).collect();
             // Free every object but the last: every page but the last is whole and free.
             for &p in &objs[..capacity(c) - 1] {
