@@ -216,3 +216,64 @@ fn fork_during_first_use_initialisation() {
     }
     eprintln!("{forks} forks during {N} initialisations");
 }
+
+/// Several threads fork at once while workers keep the heap lock busy: every child must be able to
+/// allocate. (glibc runs one fork's prepare handlers without holding its own lock, so two forks'
+/// handlers can interleave: each fork must hold, and release, the allocator's locks on its own
+/// thread.)
+#[test]
+fn concurrent_forks_from_several_threads() {
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..2)
+        .map(|t| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut i = t;
+                while !stop.load(Ordering::Relaxed) {
+                    black_box(locked_traffic(i));
+                    i += 2;
+                }
+            })
+        })
+        .collect();
+    let forkers: Vec<_> = (0..4)
+        .map(|f| {
+            std::thread::spawn(move || {
+                for round in 0..150 {
+                    black_box(small_traffic(f * 100 + round));
+                    // SAFETY: the child only runs code below and leaves with `_exit`.
+                    let pid = unsafe { libc::fork() };
+                    assert!(pid >= 0, "fork failed");
+                    if pid == 0 {
+                        // Child: a lock inherited in the held state hangs; the alarm kills it.
+                        // SAFETY: plain libc calls.
+                        unsafe { libc::alarm(10) };
+                        let ok = std::panic::catch_unwind(|| {
+                            black_box(locked_traffic(round));
+                            A.check().unwrap();
+                        })
+                        .is_ok();
+                        // SAFETY: leaves the child at once, without running exit handlers.
+                        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+                    }
+                    let mut status = 0;
+                    // SAFETY: waits for our own child.
+                    unsafe { libc::waitpid(pid, &mut status, 0) };
+                    assert!(
+                        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+                        "forker {f}, child {round} failed or hung (status {status:#x})"
+                    );
+                }
+            })
+        })
+        .collect();
+    let results: Vec<_> = forkers.into_iter().map(|h| h.join()).collect();
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join().unwrap();
+    }
+    for r in results {
+        r.unwrap();
+    }
+    A.check().unwrap();
+}

@@ -67,10 +67,12 @@
 //!
 //! A `pthread_atfork` handler (installed before the first heap's initialisation takes any lock)
 //! takes every heap's lock before a `fork` and releases it in both processes afterwards, so the
-//! child can allocate even when another thread was inside the allocator at the moment of the fork. In the child the other threads'
-//! cached blocks are lost (their threads do not exist there), and the first use rebuilds the cache
-//! registry. First-use initialisation runs under the global heap-list lock, which the handler also
-//! takes, so a `fork` never interrupts an initialisation either.
+//! child can allocate even when another thread was inside the allocator at the moment of the fork.
+//! Threads that fork at the same time take turns: each fork holds the locks from its prepare step to
+//! its own parent or child step. In the child the other threads' cached blocks are lost (their
+//! threads do not exist there), and the first use rebuilds the cache registry. First-use
+//! initialisation runs under the global heap-list lock, which the handler also takes, so a `fork`
+//! never interrupts an initialisation either.
 
 mod os;
 mod small;
@@ -375,26 +377,57 @@ pub unsafe fn loom_fork_release() {
     unsafe { fork_release() };
 }
 
-/// Whether the prepare handler holds the locks. The handlers may be registered twice (a child forked
-/// while `pthread_once` ran the registration reruns it), so each runs at most once per `fork`: libc
-/// runs a fork's handlers one after another under its own lock, so one flag is enough.
+/// The thread whose `fork` holds the locks (its `pthread_self`, 0 for none).
+///
+/// Two things rule out a plain "held" flag. glibc runs a fork's prepare (and parent, and child)
+/// handlers with its own atfork lock released, so two threads' forks can interleave their handlers:
+/// with a shared flag, the second fork would skip the prepare step, then release in its parent
+/// handler the locks the first fork still relies on, and the first fork's child could inherit a heap
+/// lock held by a thread it does not have (and hang). And the handlers may be registered twice (a
+/// child forked while `pthread_once` ran the registration reruns it), so one fork may run each of
+/// them twice on its thread. So each fork takes the locks in its first prepare call, waiting while
+/// another thread's fork holds them, and releases them in its first parent or child call; the
+/// calls that find the flag already at (prepare), or not at (parent, child), their thread do
+/// nothing. Only the holder writes its own id, so a thread that reads its own id holds the locks.
 #[cfg(not(loom))]
-static FORK_HELD: core::sync::atomic::AtomicBool = core::sync::atomic::AtomicBool::new(false);
+static FORK_OWNER: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
+
+/// This thread's id for [`FORK_OWNER`]: the same in a `fork` child as in the thread that forked.
+#[cfg(not(loom))]
+fn fork_thread_id() -> usize {
+    // SAFETY: `pthread_self` has no preconditions.
+    unsafe { libc::pthread_self() as usize }
+}
 
 #[cfg(not(loom))]
 extern "C" fn on_fork_prepare() {
     use core::sync::atomic::Ordering::Relaxed;
-    if !FORK_HELD.load(Relaxed) {
+    let me = fork_thread_id();
+    if FORK_OWNER.load(Relaxed) != me {
         fork_prepare();
-        FORK_HELD.store(true, Relaxed);
+        FORK_OWNER.store(me, Relaxed);
     }
+}
+
+/// Whether this thread's fork holds the locks; if so, marks them as no longer held (the caller
+/// releases them next).
+#[cfg(not(loom))]
+fn take_fork_ownership() -> bool {
+    use core::sync::atomic::Ordering::Relaxed;
+    if FORK_OWNER.load(Relaxed) != fork_thread_id() {
+        return false;
+    }
+    // Before the locks are released, so the next fork's prepare step (which waits for them) sets
+    // its own id after this store.
+    FORK_OWNER.store(0, Relaxed);
+    true
 }
 
 #[cfg(not(loom))]
 extern "C" fn on_fork_parent() {
-    if FORK_HELD.swap(false, core::sync::atomic::Ordering::Relaxed) {
-        // SAFETY: the prepare handler took the locks on this thread (libc runs a fork's handlers
-        // on the forking thread) and nothing released them since: the flag was set.
+    if take_fork_ownership() {
+        // SAFETY: this thread's prepare handler took the locks (the owner was this thread) and
+        // nothing released them since (the owner is cleared just before each release).
         unsafe { fork_release() };
     }
 }
@@ -402,7 +435,7 @@ extern "C" fn on_fork_parent() {
 /// In the child, also records the one thread cache that survives (see `Heap::after_fork`).
 #[cfg(not(loom))]
 extern "C" fn on_fork_child() {
-    if !FORK_HELD.swap(false, core::sync::atomic::Ordering::Relaxed) {
+    if !take_fork_ownership() {
         return;
     }
     #[cfg(feature = "std")]
@@ -414,8 +447,8 @@ extern "C" fn on_fork_child() {
         FORK_SURVIVOR[1].store(owner, Relaxed);
         FORK_GEN.fetch_add(1, Relaxed);
     }
-    // SAFETY: libc runs the child handler on the child's only thread, the one that forked and ran
-    // the prepare handler (the flag was set).
+    // SAFETY: the child's only thread is the one that forked, whose prepare handler took the locks
+    // (the owner was this thread).
     unsafe { fork_release() };
 }
 
