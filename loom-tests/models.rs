@@ -291,6 +291,57 @@ fn fork_prepare_with_inverted_lock_order_is_caught() {
     fork_prepare_races_init_use_drop_and_exit();
 }
 
+/// Model 8 (forks on two threads): glibc runs each fork's atfork handlers with its own lock released,
+/// so two threads' forks interleave their prepare and parent handlers. Each fork must hold the heap
+/// lock from its prepare step to its parent step: what its child inherits (read here without the
+/// lock, as the child reads its copy) never races the other thread's use of the heap after its own
+/// fork, and no fork releases the locks another fork relies on.
+#[test]
+fn two_forks_interleave_their_handlers() {
+    loom::model(|| {
+        let a = Arc::new(allocator());
+        let first = alloc_tagged(&a, 8 << 10, 1);
+        let forkers: Vec<_> = [1, 2]
+            .map(|me| {
+                let a = a.clone();
+                thread::spawn(move || {
+                    bfc_alloc::host::loom_fork_handler_prepare(me);
+                    let brk = a.loom_fork_child_view();
+                    bfc_alloc::host::loom_fork_handler_parent(me);
+                    assert_ne!(brk, 0);
+                    let big = alloc_tagged(&a, 8 << 10, 1 + me as u8);
+                    free(&a, big);
+                })
+            })
+            .into_iter()
+            .collect();
+        for f in forkers {
+            f.join().unwrap();
+        }
+        assert_tagged(first, 1);
+        free_all_and_check(&a, [first]);
+        bfc_alloc::host::loom_exit_thread();
+    });
+}
+
+/// Negative control for model 8: with the fork owner read as one shared "held" flag (the logic the
+/// handlers had before), the second fork skips its prepare step and its parent step releases the
+/// first fork's locks, and loom finds the first fork's child view racing the second thread's
+/// allocation.
+#[test]
+#[should_panic(expected = "Causality violation")]
+fn forks_sharing_one_held_flag_are_caught() {
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            bfc_alloc::host::LOOM_SHARED_FORK_FLAG.store(false, Ordering::Relaxed);
+        }
+    }
+    let _restore = Restore;
+    bfc_alloc::host::LOOM_SHARED_FORK_FLAG.store(true, Ordering::Relaxed);
+    two_forks_interleave_their_handlers();
+}
+
 /// Negative control: with the lock's acquire ordering weakened to `Relaxed`, loom must find the data
 /// race on the heap state. Proves the models above can fail.
 #[test]

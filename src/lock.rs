@@ -163,6 +163,17 @@ impl<T> SpinLock<T> {
         drop(SpinGuard { lock: self });
     }
 
+    /// Loom build: runs `f` on the value *without* the lock, as a `fork` child reads the copy of
+    /// the value it inherited. Loom executes one thread at a time and reports a read that races a
+    /// write (one not ordered by the lock) as a causality violation, so the models can check that
+    /// whoever reads this way holds the lock through some other path.
+    #[cfg(loom)]
+    pub(crate) fn loom_peek<R>(&self, f: impl FnOnce(&T) -> R) -> R {
+        // SAFETY: loom runs the model's threads one at a time, so no access overlaps this one in
+        // fact; an unsynchronised one is reported (panic) before `f` runs.
+        self.value.with(|p| f(unsafe { &*p }))
+    }
+
     /// Acquires the lock if it is free.
     #[inline]
     pub fn try_lock(&self) -> Option<SpinGuard<'_, T>> {

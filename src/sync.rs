@@ -54,6 +54,12 @@ impl<T> UnsafeCell<T> {
         #[cfg(loom)]
         return self.0.with_mut(f);
     }
+
+    /// Loom build: runs `f` with a shared raw pointer to the value (loom records a read).
+    #[cfg(loom)]
+    pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
+        self.0.with(f)
+    }
 }
 
 /// Backs off inside a spin loop; `spins` counts the caller's failed attempts.

@@ -387,12 +387,87 @@ pub unsafe fn loom_fork_release() {
 /// child forked while `pthread_once` ran the registration reruns it), so one fork may run each of
 /// them twice on its thread. So each fork takes the locks in its first prepare call, waiting while
 /// another thread's fork holds them, and releases them in its first parent or child call; the
-/// calls that find the flag already at (prepare), or not at (parent, child), their thread do
+/// calls that find the owner already at (prepare), or not at (parent, child), their thread do
 /// nothing. Only the holder writes its own id, so a thread that reads its own id holds the locks.
+/// (Loom model 8 checks two interleaved forks.)
 #[cfg(not(loom))]
-static FORK_OWNER: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
+fn fork_owner() -> &'static core::sync::atomic::AtomicUsize {
+    static OWNER: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
+    &OWNER
+}
 
-/// This thread's id for [`FORK_OWNER`]: the same in a `fork` child as in the thread that forked.
+/// Loom build: one owner per model execution.
+#[cfg(loom)]
+fn fork_owner() -> &'static crate::sync::AtomicUsize {
+    loom::lazy_static! {
+        static ref OWNER: crate::sync::AtomicUsize = crate::sync::AtomicUsize::new(0);
+    }
+    &OWNER
+}
+
+/// Negative control for loom model 8 (loom builds only): when set, the handlers treat the owner as
+/// a shared "held" flag (any non-zero owner counts as this thread's), the logic that let two
+/// interleaved forks release each other's locks.
+#[cfg(loom)]
+#[doc(hidden)]
+pub static LOOM_SHARED_FORK_FLAG: crate::sync::UnmodelledAtomicBool =
+    crate::sync::UnmodelledAtomicBool::new(false);
+
+/// Whether an owner value `owner` means that thread `me`'s fork holds the locks.
+fn owned_by(owner: usize, me: usize) -> bool {
+    #[cfg(loom)]
+    if LOOM_SHARED_FORK_FLAG.load(crate::sync::UnmodelledOrdering::Relaxed) {
+        return owner != 0;
+    }
+    owner == me
+}
+
+/// The prepare handler's work, on thread `me` (non-zero).
+fn fork_handler_prepare(me: usize) {
+    use core::sync::atomic::Ordering::Relaxed;
+    if !owned_by(fork_owner().load(Relaxed), me) {
+        fork_prepare();
+        fork_owner().store(me, Relaxed);
+    }
+}
+
+/// Whether thread `me`'s fork holds the locks; if so, marks them as no longer held (the caller
+/// releases them next).
+fn take_fork_ownership(me: usize) -> bool {
+    use core::sync::atomic::Ordering::Relaxed;
+    if !owned_by(fork_owner().load(Relaxed), me) {
+        return false;
+    }
+    // Before the locks are released, so the next fork's prepare step (which waits for them) sets
+    // its own id after this store.
+    fork_owner().store(0, Relaxed);
+    true
+}
+
+/// The parent handler's work, on thread `me`.
+fn fork_handler_parent(me: usize) {
+    if take_fork_ownership(me) {
+        // SAFETY: this thread's prepare handler took the locks (the owner was this thread) and
+        // nothing released them since (the owner is cleared just before each release).
+        unsafe { fork_release() };
+    }
+}
+
+/// Loom build: a fork's prepare handler, on the thread with id `me` (non-zero, one per thread).
+#[cfg(loom)]
+#[doc(hidden)]
+pub fn loom_fork_handler_prepare(me: usize) {
+    fork_handler_prepare(me);
+}
+
+/// Loom build: a fork's parent handler, on the thread with id `me`.
+#[cfg(loom)]
+#[doc(hidden)]
+pub fn loom_fork_handler_parent(me: usize) {
+    fork_handler_parent(me);
+}
+
+/// This thread's id for the fork owner: the same in a `fork` child as in the thread that forked.
 #[cfg(not(loom))]
 fn fork_thread_id() -> usize {
     // SAFETY: `pthread_self` has no preconditions.
@@ -401,41 +476,18 @@ fn fork_thread_id() -> usize {
 
 #[cfg(not(loom))]
 extern "C" fn on_fork_prepare() {
-    use core::sync::atomic::Ordering::Relaxed;
-    let me = fork_thread_id();
-    if FORK_OWNER.load(Relaxed) != me {
-        fork_prepare();
-        FORK_OWNER.store(me, Relaxed);
-    }
-}
-
-/// Whether this thread's fork holds the locks; if so, marks them as no longer held (the caller
-/// releases them next).
-#[cfg(not(loom))]
-fn take_fork_ownership() -> bool {
-    use core::sync::atomic::Ordering::Relaxed;
-    if FORK_OWNER.load(Relaxed) != fork_thread_id() {
-        return false;
-    }
-    // Before the locks are released, so the next fork's prepare step (which waits for them) sets
-    // its own id after this store.
-    FORK_OWNER.store(0, Relaxed);
-    true
+    fork_handler_prepare(fork_thread_id());
 }
 
 #[cfg(not(loom))]
 extern "C" fn on_fork_parent() {
-    if take_fork_ownership() {
-        // SAFETY: this thread's prepare handler took the locks (the owner was this thread) and
-        // nothing released them since (the owner is cleared just before each release).
-        unsafe { fork_release() };
-    }
+    fork_handler_parent(fork_thread_id());
 }
 
 /// In the child, also records the one thread cache that survives (see `Heap::after_fork`).
 #[cfg(not(loom))]
 extern "C" fn on_fork_child() {
-    if !take_fork_ownership() {
+    if !take_fork_ownership(fork_thread_id()) {
         return;
     }
     #[cfg(feature = "std")]
@@ -680,6 +732,21 @@ impl GlobalBfc {
     #[doc(hidden)]
     pub fn initialisations(&self) -> usize {
         self.inits.load(crate::sync::UnmodelledOrdering::Relaxed)
+    }
+
+    /// Loom build: what a `fork` child of the calling thread would see of the heap (the end of its
+    /// touched memory), read without the heap lock, as the child reads its copy. Loom reports the
+    /// read if another thread could be changing the heap at the same time: if the calling thread's
+    /// fork handlers do not hold the heap lock across the fork.
+    #[cfg(loom)]
+    #[doc(hidden)]
+    pub fn loom_fork_child_view(&self) -> usize {
+        let a = self.anchor.load(crate::sync::Ordering::Acquire);
+        assert!(!a.is_null(), "the allocator was not initialised");
+        // SAFETY: a non-null anchor was published after being written, and stays valid until
+        // `drop`, which needs `&mut self`.
+        let anchor = unsafe { &*a };
+        anchor.heap.loom_peek(|h| h.brk)
     }
 
     /// The parameters.
