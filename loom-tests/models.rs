@@ -292,13 +292,17 @@ fn fork_prepare_with_inverted_lock_order_is_caught() {
 }
 
 /// Model 8 (forks on two threads): glibc runs each fork's atfork handlers with its own lock released,
-/// so two threads' forks interleave their prepare and parent handlers. Each fork must hold the heap
-/// lock from its prepare step to its parent step: what its child inherits (read here without the
-/// lock, as the child reads its copy) never races the other thread's use of the heap after its own
-/// fork, and no fork releases the locks another fork relies on.
-#[test]
-fn two_forks_interleave_their_handlers() {
-    loom::model(|| {
+/// so two threads' forks interleave their prepare and parent handlers. Each fork must hold the locks
+/// from its prepare step to its parent step: at the fork, its thread owns them (so its child's
+/// handler releases them), what its child inherits (read here without the lock, as the child reads
+/// its copy) never races the other thread's use of the heap after its own fork, and no fork
+/// releases the locks another fork relies on.
+///
+/// `nested`: each thread's fork runs the handlers twice, as when they are registered twice, with a
+/// second fork nested inside the first (as from another library's prepare handler): the outer fork
+/// must still hold the locks after the inner one's parent step.
+fn two_forks(nested: bool) {
+    loom::model(move || {
         let a = Arc::new(allocator());
         let first = alloc_tagged(&a, 8 << 10, 1);
         let forkers: Vec<_> = [1, 2]
@@ -306,9 +310,13 @@ fn two_forks_interleave_their_handlers() {
                 let a = a.clone();
                 thread::spawn(move || {
                     bfc_alloc::host::loom_fork_handler_prepare(me);
-                    let brk = a.loom_fork_child_view();
+                    if nested {
+                        bfc_alloc::host::loom_fork_handler_prepare(me);
+                        assert_ne!(a.loom_fork_child_view(me), 0);
+                        bfc_alloc::host::loom_fork_handler_parent(me);
+                    }
+                    assert_ne!(a.loom_fork_child_view(me), 0);
                     bfc_alloc::host::loom_fork_handler_parent(me);
-                    assert_ne!(brk, 0);
                     let big = alloc_tagged(&a, 8 << 10, 1 + me as u8);
                     free(&a, big);
                 })
@@ -324,12 +332,21 @@ fn two_forks_interleave_their_handlers() {
     });
 }
 
-/// Negative control for model 8: with the fork owner read as one shared "held" flag (the logic the
-/// handlers had before), the second fork skips its prepare step and its parent step releases the
-/// first fork's locks, and loom finds the first fork's child view racing the second thread's
-/// allocation.
 #[test]
-#[should_panic(expected = "Causality violation")]
+fn two_forks_interleave_their_handlers() {
+    two_forks(false);
+}
+
+#[test]
+fn two_nested_forks_interleave_their_handlers() {
+    two_forks(true);
+}
+
+/// Negative control for model 8: with the fork owner read as one shared "held" flag (the logic the
+/// handlers had before), the second thread's fork goes ahead on the locks the first one took, and
+/// its child would inherit them held.
+#[test]
+#[should_panic(expected = "without holding the allocator's locks")]
 fn forks_sharing_one_held_flag_are_caught() {
     struct Restore;
     impl Drop for Restore {
@@ -339,7 +356,23 @@ fn forks_sharing_one_held_flag_are_caught() {
     }
     let _restore = Restore;
     bfc_alloc::host::LOOM_SHARED_FORK_FLAG.store(true, Ordering::Relaxed);
-    two_forks_interleave_their_handlers();
+    two_forks(false);
+}
+
+/// Negative control for the nested model 8: when the first parent call releases the locks, the
+/// outer fork goes ahead without them.
+#[test]
+#[should_panic(expected = "without holding the allocator's locks")]
+fn nested_fork_releasing_early_is_caught() {
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            bfc_alloc::host::LOOM_IGNORE_FORK_DEPTH.store(false, Ordering::Relaxed);
+        }
+    }
+    let _restore = Restore;
+    bfc_alloc::host::LOOM_IGNORE_FORK_DEPTH.store(true, Ordering::Relaxed);
+    two_forks(true);
 }
 
 /// Negative control: with the lock's acquire ordering weakened to `Relaxed`, loom must find the data

@@ -3,7 +3,9 @@
 //!   and `stats()` walks a sane registry;
 //! - a fork while other threads are inside the allocator (holding its lock) leaves the child able to
 //!   allocate: the atfork handlers hold every heap lock across the fork;
-//! - a fork while another thread initialises an instance leaves that instance usable in the child.
+//! - a fork while another thread initialises an instance leaves that instance usable in the child;
+//! - threads that fork at the same time (glibc interleaves their atfork handlers) each leave a child
+//!   that can allocate.
 //!
 //! Its own binary, so that only these tests' threads run during the forks.
 
@@ -73,7 +75,7 @@ fn fork_with_thread_caches_keeps_the_registry_sane() {
     }
     let mut status = 0;
     // SAFETY: waits for our own child.
-    unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
     for _ in 0..4 {
         release_tx.send(()).unwrap();
     }
@@ -133,7 +135,7 @@ fn fork_while_other_threads_hold_the_heap_lock() {
         }
         let mut status = 0;
         // SAFETY: waits for our own child.
-        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
         assert!(
             libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
             "child {round} failed or hung (status {status:#x})"
@@ -203,7 +205,7 @@ fn fork_during_first_use_initialisation() {
         }
         let mut status = 0;
         // SAFETY: waits for our own child.
-        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
         assert!(
             libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
             "child {forks} failed or hung (status {status:#x})"
@@ -258,7 +260,7 @@ fn concurrent_forks_from_several_threads() {
                     }
                     let mut status = 0;
                     // SAFETY: waits for our own child.
-                    unsafe { libc::waitpid(pid, &mut status, 0) };
+                    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
                     assert!(
                         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
                         "forker {f}, child {round} failed or hung (status {status:#x})"

@@ -383,17 +383,30 @@ pub unsafe fn loom_fork_release() {
 /// handlers with its own atfork lock released, so two threads' forks can interleave their handlers:
 /// with a shared flag, the second fork would skip the prepare step, then release in its parent
 /// handler the locks the first fork still relies on, and the first fork's child could inherit a heap
-/// lock held by a thread it does not have (and hang). And the handlers may be registered twice (a
-/// child forked while `pthread_once` ran the registration reruns it), so one fork may run each of
-/// them twice on its thread. So each fork takes the locks in its first prepare call, waiting while
-/// another thread's fork holds them, and releases them in its first parent or child call; the
-/// calls that find the owner already at (prepare), or not at (parent, child), their thread do
-/// nothing. Only the holder writes its own id, so a thread that reads its own id holds the locks.
-/// (Loom model 8 checks two interleaved forks.)
+/// lock held by a thread it does not have (and hang). And one thread may run the prepare handler
+/// again before the parent or child handler of the first call: when the handlers are registered
+/// twice (a child forked while `pthread_once` ran the registration reruns it), or when a `fork`
+/// nests inside this thread's fork (another library's prepare handler, or a signal handler, forks).
+///
+/// So the first prepare call of a thread takes the locks (waiting while another thread's fork holds
+/// them) and sets the owner; further prepare calls on the owner's thread count up [`fork_depth`];
+/// each parent or child call on the owner's thread counts down, and the one that reaches zero clears
+/// the owner and releases the locks. glibc runs one parent or child call per prepare call, so the
+/// locks stay held until the outermost fork has happened. Only the holder writes the owner and the
+/// depth, so a thread that reads its own id holds the locks. (Loom model 8 checks two interleaved
+/// forks, with the handlers run once, registered twice, or nested.)
 #[cfg(not(loom))]
 fn fork_owner() -> &'static core::sync::atomic::AtomicUsize {
     static OWNER: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
     &OWNER
+}
+
+/// Prepare calls of the owner's fork not yet matched by a parent or child call (see
+/// [`fork_owner`]; only the owner touches it).
+#[cfg(not(loom))]
+fn fork_depth() -> &'static core::sync::atomic::AtomicUsize {
+    static DEPTH: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
+    &DEPTH
 }
 
 /// Loom build: one owner per model execution.
@@ -405,12 +418,29 @@ fn fork_owner() -> &'static crate::sync::AtomicUsize {
     &OWNER
 }
 
+/// Loom build: one depth per model execution.
+#[cfg(loom)]
+fn fork_depth() -> &'static crate::sync::AtomicUsize {
+    loom::lazy_static! {
+        static ref DEPTH: crate::sync::AtomicUsize = crate::sync::AtomicUsize::new(0);
+    }
+    &DEPTH
+}
+
 /// Negative control for loom model 8 (loom builds only): when set, the handlers treat the owner as
-/// a shared "held" flag (any non-zero owner counts as this thread's), the logic that let two
-/// interleaved forks release each other's locks.
+/// a shared "held" flag (any non-zero owner counts as this thread's), so a second thread's fork
+/// goes ahead on the locks the first one took.
 #[cfg(loom)]
 #[doc(hidden)]
 pub static LOOM_SHARED_FORK_FLAG: crate::sync::UnmodelledAtomicBool =
+    crate::sync::UnmodelledAtomicBool::new(false);
+
+/// Negative control for loom model 8 (loom builds only): when set, the first parent or child call
+/// releases the locks even while an outer prepare call of the same thread is unmatched (a nested
+/// fork then lets the outer one go ahead without them).
+#[cfg(loom)]
+#[doc(hidden)]
+pub static LOOM_IGNORE_FORK_DEPTH: crate::sync::UnmodelledAtomicBool =
     crate::sync::UnmodelledAtomicBool::new(false);
 
 /// Whether an owner value `owner` means that thread `me`'s fork holds the locks.
@@ -425,28 +455,52 @@ fn owned_by(owner: usize, me: usize) -> bool {
 /// The prepare handler's work, on thread `me` (non-zero).
 fn fork_handler_prepare(me: usize) {
     use core::sync::atomic::Ordering::Relaxed;
-    if !owned_by(fork_owner().load(Relaxed), me) {
-        fork_prepare();
-        fork_owner().store(me, Relaxed);
+    if owned_by(fork_owner().load(Relaxed), me) {
+        fork_depth().store(fork_depth().load(Relaxed) + 1, Relaxed);
+        return;
     }
+    fork_prepare();
+    fork_depth().store(1, Relaxed);
+    fork_owner().store(me, Relaxed);
 }
 
-/// Whether thread `me`'s fork holds the locks; if so, marks them as no longer held (the caller
-/// releases them next).
-fn take_fork_ownership(me: usize) -> bool {
+/// What a parent or child call on thread `me` finds.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum ForkEnd {
+    /// Another thread's fork (or none) holds the locks: nothing to do.
+    NotOwner,
+    /// This thread's fork holds them, and an outer prepare call is still unmatched.
+    Nested,
+    /// This thread's outermost fork is done: the owner is cleared, and the caller releases the
+    /// locks next.
+    Release,
+}
+
+/// Matches one prepare call of thread `me` (see [`fork_owner`]).
+fn end_fork_call(me: usize) -> ForkEnd {
     use core::sync::atomic::Ordering::Relaxed;
     if !owned_by(fork_owner().load(Relaxed), me) {
-        return false;
+        return ForkEnd::NotOwner;
+    }
+    #[allow(unused_mut)]
+    let mut depth = fork_depth().load(Relaxed).saturating_sub(1);
+    #[cfg(loom)]
+    if LOOM_IGNORE_FORK_DEPTH.load(crate::sync::UnmodelledOrdering::Relaxed) {
+        depth = 0;
+    }
+    fork_depth().store(depth, Relaxed);
+    if depth > 0 {
+        return ForkEnd::Nested;
     }
     // Before the locks are released, so the next fork's prepare step (which waits for them) sets
     // its own id after this store.
     fork_owner().store(0, Relaxed);
-    true
+    ForkEnd::Release
 }
 
 /// The parent handler's work, on thread `me`.
 fn fork_handler_parent(me: usize) {
-    if take_fork_ownership(me) {
+    if end_fork_call(me) == ForkEnd::Release {
         // SAFETY: this thread's prepare handler took the locks (the owner was this thread) and
         // nothing released them since (the owner is cleared just before each release).
         unsafe { fork_release() };
@@ -484,10 +538,12 @@ extern "C" fn on_fork_parent() {
     fork_handler_parent(fork_thread_id());
 }
 
-/// In the child, also records the one thread cache that survives (see `Heap::after_fork`).
+/// In the child, also records the one thread cache that survives (see `Heap::after_fork`), on every
+/// call that finds this thread the owner: the child of a nested fork is a new process too.
 #[cfg(not(loom))]
 extern "C" fn on_fork_child() {
-    if !take_fork_ownership(fork_thread_id()) {
+    let end = end_fork_call(fork_thread_id());
+    if end == ForkEnd::NotOwner {
         return;
     }
     #[cfg(feature = "std")]
@@ -499,9 +555,11 @@ extern "C" fn on_fork_child() {
         FORK_SURVIVOR[1].store(owner, Relaxed);
         FORK_GEN.fetch_add(1, Relaxed);
     }
-    // SAFETY: the child's only thread is the one that forked, whose prepare handler took the locks
-    // (the owner was this thread).
-    unsafe { fork_release() };
+    if end == ForkEnd::Release {
+        // SAFETY: the child's only thread is the one that forked, whose prepare handler took the
+        // locks (the owner was this thread).
+        unsafe { fork_release() };
+    }
 }
 
 /// Registers the `fork` handlers, once per process, before any lock they take is first taken (the
@@ -734,13 +792,20 @@ impl GlobalBfc {
         self.inits.load(crate::sync::UnmodelledOrdering::Relaxed)
     }
 
-    /// Loom build: what a `fork` child of the calling thread would see of the heap (the end of its
-    /// touched memory), read without the heap lock, as the child reads its copy. Loom reports the
-    /// read if another thread could be changing the heap at the same time: if the calling thread's
-    /// fork handlers do not hold the heap lock across the fork.
+    /// Loom build: a `fork` on thread `me`, between its prepare and its parent handlers. Panics if
+    /// that thread's fork does not own the locks (its child's handler would not release them), and
+    /// returns what the child would see of the heap (the end of its touched memory), read without
+    /// the heap lock, as the child reads its copy: loom reports the read if another thread could be
+    /// changing the heap at the same time.
     #[cfg(loom)]
     #[doc(hidden)]
-    pub fn loom_fork_child_view(&self) -> usize {
+    pub fn loom_fork_child_view(&self, me: usize) -> usize {
+        use core::sync::atomic::Ordering::Relaxed;
+        // The child's handler releases the locks only if this thread's fork holds them.
+        assert!(
+            fork_owner().load(Relaxed) == me && fork_depth().load(Relaxed) > 0,
+            "fork on thread {me} without holding the allocator's locks"
+        );
         let a = self.anchor.load(crate::sync::Ordering::Acquire);
         assert!(!a.is_null(), "the allocator was not initialised");
         // SAFETY: a non-null anchor was published after being written, and stays valid until
@@ -1967,26 +2032,42 @@ mod tests {
     }
 
     #[test]
-    fn fork_handlers_registered_twice_run_once() {
-        // A child forked while `pthread_once` ran the registration registers the handlers again;
-        // libc then runs each twice per fork (prepare handlers in reverse order, the others in
-        // order). In a child process: a second prepare step would abort (re-entered lock).
-        let case = "fork_handlers_registered_twice_run_once";
+    fn fork_handlers_run_twice_hold_the_locks_until_the_last_call() {
+        // A child forked while `pthread_once` ran the registration registers the handlers again,
+        // and libc then runs each twice per fork (prepare handlers in reverse order, the others in
+        // order); a fork nested in this thread's fork (from another library's prepare handler)
+        // runs them twice too. A second prepare step must not re-take the locks (it would abort:
+        // re-entered lock), and the locks must stay held until the last parent or child call.
+        // Runs in a child process.
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let case = "fork_handlers_run_twice_hold_the_locks_until_the_last_call";
         if is_child(case) {
             let a = small_instance();
             let l = Layout::from_size_align(100_000, 8).unwrap();
             // SAFETY: a non-zero layout; the block is freed with it.
             unsafe { a.dealloc(a.alloc(l), l) };
             for child in [false, true] {
+                let end = if child { on_fork_child } else { on_fork_parent };
                 on_fork_prepare();
                 on_fork_prepare();
-                if child {
-                    on_fork_child();
-                    on_fork_child();
-                } else {
-                    on_fork_parent();
-                    on_fork_parent();
-                }
+                end();
+                // One call is still unmatched: another thread must not get into the heap.
+                let entered = AtomicBool::new(false);
+                let entered_early = std::thread::scope(|s| {
+                    s.spawn(|| {
+                        a.stats();
+                        entered.store(true, Ordering::SeqCst);
+                    });
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                    let early = entered.load(Ordering::SeqCst);
+                    end();
+                    early
+                });
+                assert!(
+                    !entered_early,
+                    "locks released before the last call (child: {child})"
+                );
+                assert!(entered.load(Ordering::SeqCst));
                 // SAFETY: as above.
                 let p = unsafe { a.alloc(l) };
                 assert!(!p.is_null());
