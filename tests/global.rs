@@ -526,3 +526,35 @@ fn foreign_pointer_free_aborts() {
 fn foreign_pointer_realloc_aborts() {
     assert_aborts("realloc_foreign", "realloc: free of pointer");
 }
+
+#[test]
+fn an_arena_that_cannot_be_reserved_makes_every_allocation_fail() {
+    use allocator_api2::alloc::Allocator;
+    // No address space holds 2^60 bytes, and `usize::MAX` (rounded) would overflow with the
+    // alignment slack: both are refusals, never a panic.
+    for arena_size in [usize::MAX, 1 << 61] {
+        let local = GlobalBfc::with_config(bfc_alloc::HostConfig {
+            arena_size,
+            min_arena_size: 1 << 60,
+            ..bfc_alloc::HostConfig::DEFAULT
+        });
+        for _ in 0..3 {
+            for (size, align) in [(64, 8), (4096, 16), (1 << 20, 8), (100, 64)] {
+                let l = Layout::from_size_align(size, align).unwrap();
+                // SAFETY: non-zero layouts; nothing is returned to free.
+                unsafe {
+                    assert!(local.alloc(l).is_null(), "{size}/{align}");
+                    assert!(local.alloc_zeroed(l).is_null(), "{size}/{align}");
+                }
+                assert!(local.allocate(l).is_err());
+            }
+        }
+        assert_eq!(local.arena_size(), 0);
+        assert_eq!(local.stats(), bfc_alloc::Stats::default());
+        assert_eq!(local.release_free_memory(), 0);
+        local.check().unwrap();
+    }
+    // The global instance is unaffected.
+    let v = vec![7u8; 5000];
+    assert_eq!(v.iter().map(|&x| x as usize).sum::<usize>(), 35_000);
+}

@@ -754,6 +754,9 @@ pub struct GlobalBfc {
     anchor: crate::sync::AtomicPtr<Anchor>,
     /// Serialises the first-use initialisation.
     state: CacheLine<SpinLock<State>>,
+    /// Set when the arena could not be reserved (final): calls then return at once, without the
+    /// global lock the initialisation takes.
+    failed: crate::sync::AtomicBool,
     /// Initialisations so far (loom builds only).
     #[cfg(loom)]
     inits: crate::sync::UnmodelledAtomicUsize,
@@ -779,6 +782,7 @@ impl GlobalBfc {
                 id: core::sync::atomic::AtomicUsize::new(0),
                 anchor: crate::sync::AtomicPtr::new(ptr::null_mut()),
                 state: CacheLine(SpinLock::with_reentry_handler(State::Uninit, reentered)),
+                failed: crate::sync::AtomicBool::new(false),
                 #[cfg(loom)]
                 inits: crate::sync::UnmodelledAtomicUsize::new(0),
             }
@@ -894,6 +898,9 @@ impl GlobalBfc {
     fn with_heap<R>(&self, f: impl FnOnce(&mut Heap) -> R) -> Option<R> {
         let mut a = self.anchor.load(crate::sync::Ordering::Acquire);
         if a.is_null() {
+            if self.failed.load(crate::sync::Ordering::Relaxed) {
+                return None;
+            }
             a = self.init();
             if a.is_null() {
                 return None;
@@ -939,6 +946,7 @@ impl GlobalBfc {
                     }
                     None => {
                         *state = State::Failed;
+                        self.failed.store(true, crate::sync::Ordering::Relaxed);
                         ptr::null_mut()
                     }
                 }
@@ -977,9 +985,11 @@ impl Heap {
         let block = config.granule * engine_config.map_block_granules;
         let mut arena_size = config.arena_size & !(ARENA_ALIGN - 1);
         let (arena_mapping, arena_mapping_size) = loop {
-            let want = arena_size + ARENA_ALIGN;
-            if let Some(p) = os::reserve(want) {
-                break (p, want);
+            // (A size near `usize::MAX` cannot be reserved either: halve it like a refusal.)
+            if let Some(want) = arena_size.checked_add(ARENA_ALIGN) {
+                if let Some(p) = os::reserve(want) {
+                    break (p, want);
+                }
             }
             arena_size /= 2;
             if arena_size < config.min_arena_size {
@@ -2029,6 +2039,45 @@ mod tests {
             "{stderr}"
         );
         assert!(!stdout.contains("survived"));
+    }
+
+    #[test]
+    fn a_failed_instance_answers_without_the_global_lock() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let a = GlobalBfc::with_config(HostConfig {
+            arena_size: 1 << 61,
+            min_arena_size: 1 << 60,
+            ..HostConfig::DEFAULT
+        });
+        let l = Layout::from_size_align(64, 8).unwrap();
+        // SAFETY: a non-zero layout (the initialisation fails: nothing to free).
+        assert!(unsafe { a.alloc(l) }.is_null());
+        // With the heap list's lock held (as a `fork` or another instance's first use holds it),
+        // calls on the failed instance still return.
+        let held = heaps().lock.lock();
+        let done = AtomicBool::new(false);
+        let answered = std::thread::scope(|s| {
+            s.spawn(|| {
+                // SAFETY: as above.
+                assert!(unsafe { a.alloc(l) }.is_null());
+                let big = Layout::from_size_align(1 << 20, 8).unwrap();
+                // SAFETY: as above.
+                assert!(unsafe { a.alloc(big) }.is_null());
+                assert_eq!(a.stats(), Stats::default());
+                done.store(true, Ordering::SeqCst);
+            });
+            let start = std::time::Instant::now();
+            while !done.load(Ordering::SeqCst) && start.elapsed().as_secs() < 10 {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            let answered = done.load(Ordering::SeqCst);
+            drop(held);
+            answered
+        });
+        assert!(
+            answered,
+            "a failed instance waited for the heap list's lock"
+        );
     }
 
     #[test]
