@@ -24,6 +24,20 @@ fn allocator() -> GlobalBfc {
     })
 }
 
+/// Runs `model` with a negative-control switch set, and clears it afterwards, also when the model
+/// panics (as the negative controls expect), so later models run unbroken.
+fn with_switch(switch: &'static std::sync::atomic::AtomicBool, model: impl FnOnce()) {
+    struct Clear(&'static std::sync::atomic::AtomicBool);
+    impl Drop for Clear {
+        fn drop(&mut self) {
+            self.0.store(false, Ordering::Relaxed);
+        }
+    }
+    let _clear = Clear(switch);
+    switch.store(true, Ordering::Relaxed);
+    model();
+}
+
 /// Allocates `size` bytes, fills them with `tag`, and returns the block.
 fn alloc_tagged(a: &GlobalBfc, size: usize, tag: u8) -> (usize, Layout) {
     let l = Layout::from_size_align(size, 16).unwrap();
@@ -228,15 +242,10 @@ fn thread_exit_races_allocator_drop() {
 #[test]
 #[should_panic(expected = "exit flush reached a dropped allocator")]
 fn exit_flush_without_the_bindings_lock_is_caught() {
-    struct Restore;
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            bfc_alloc::host::LOOM_SKIP_DROP_BINDINGS.store(false, Ordering::Relaxed);
-        }
-    }
-    let _restore = Restore;
-    bfc_alloc::host::LOOM_SKIP_DROP_BINDINGS.store(true, Ordering::Relaxed);
-    thread_exit_races_allocator_drop();
+    with_switch(
+        &bfc_alloc::host::LOOM_SKIP_DROP_BINDINGS,
+        thread_exit_races_allocator_drop,
+    );
 }
 
 /// Model 7 (fork): the fork prepare step, which takes the bindings lock, the heap list's lock and
@@ -280,15 +289,10 @@ fn fork_prepare_races_init_use_drop_and_exit() {
 #[test]
 #[should_panic(expected = "Model exceeded maximum number of branches")]
 fn fork_prepare_with_inverted_lock_order_is_caught() {
-    struct Restore;
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            bfc_alloc::host::LOOM_BREAK_FORK_ORDER.store(false, Ordering::Relaxed);
-        }
-    }
-    let _restore = Restore;
-    bfc_alloc::host::LOOM_BREAK_FORK_ORDER.store(true, Ordering::Relaxed);
-    fork_prepare_races_init_use_drop_and_exit();
+    with_switch(
+        &bfc_alloc::host::LOOM_BREAK_FORK_ORDER,
+        fork_prepare_races_init_use_drop_and_exit,
+    );
 }
 
 /// Model 8 (forks on two threads): glibc runs each fork's atfork handlers with its own lock released,
@@ -348,15 +352,7 @@ fn two_nested_forks_interleave_their_handlers() {
 #[test]
 #[should_panic(expected = "without holding the allocator's locks")]
 fn forks_sharing_one_held_flag_are_caught() {
-    struct Restore;
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            bfc_alloc::host::LOOM_SHARED_FORK_FLAG.store(false, Ordering::Relaxed);
-        }
-    }
-    let _restore = Restore;
-    bfc_alloc::host::LOOM_SHARED_FORK_FLAG.store(true, Ordering::Relaxed);
-    two_forks(false);
+    with_switch(&bfc_alloc::host::LOOM_SHARED_FORK_FLAG, || two_forks(false));
 }
 
 /// Negative control for the nested model 8: when the first parent call releases the locks, the
@@ -364,15 +360,7 @@ fn forks_sharing_one_held_flag_are_caught() {
 #[test]
 #[should_panic(expected = "without holding the allocator's locks")]
 fn nested_fork_releasing_early_is_caught() {
-    struct Restore;
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            bfc_alloc::host::LOOM_IGNORE_FORK_DEPTH.store(false, Ordering::Relaxed);
-        }
-    }
-    let _restore = Restore;
-    bfc_alloc::host::LOOM_IGNORE_FORK_DEPTH.store(true, Ordering::Relaxed);
-    two_forks(true);
+    with_switch(&bfc_alloc::host::LOOM_IGNORE_FORK_DEPTH, || two_forks(true));
 }
 
 /// Negative control: with the lock's acquire ordering weakened to `Relaxed`, loom must find the data
@@ -380,32 +368,26 @@ fn nested_fork_releasing_early_is_caught() {
 #[test]
 #[should_panic(expected = "Causality violation")]
 fn broken_lock_ordering_is_caught() {
-    struct Restore;
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            bfc_alloc::lock::LOOM_BREAK_ACQUIRE.store(false, Ordering::Relaxed);
-        }
-    }
-    let _restore = Restore;
-    bfc_alloc::lock::LOOM_BREAK_ACQUIRE.store(true, Ordering::Relaxed);
-    loom::model(|| {
-        let a = Arc::new(allocator());
-        // Initialise outside the race so the threads only contend on the lock.
-        let first = alloc_tagged(&a, 32, 9);
-        let handles: Vec<_> = (0..2u8)
-            .map(|t| {
-                let a = a.clone();
-                thread::spawn(move || {
-                    let b = alloc_tagged(&a, 32, t + 1);
-                    free(&a, b);
-                    bfc_alloc::host::loom_exit_thread();
+    with_switch(&bfc_alloc::lock::LOOM_BREAK_ACQUIRE, || {
+        loom::model(|| {
+            let a = Arc::new(allocator());
+            // Initialise outside the race so the threads only contend on the lock.
+            let first = alloc_tagged(&a, 32, 9);
+            let handles: Vec<_> = (0..2u8)
+                .map(|t| {
+                    let a = a.clone();
+                    thread::spawn(move || {
+                        let b = alloc_tagged(&a, 32, t + 1);
+                        free(&a, b);
+                        bfc_alloc::host::loom_exit_thread();
+                    })
                 })
-            })
-            .collect();
-        for h in handles {
-            h.join().unwrap();
-        }
-        free(&a, first);
+                .collect();
+            for h in handles {
+                h.join().unwrap();
+            }
+            free(&a, first);
+        });
     });
 }
 

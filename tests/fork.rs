@@ -25,6 +25,29 @@ fn small_traffic(seed: usize) -> usize {
     v.iter().map(|b| b.len()).sum()
 }
 
+/// Forks. The child runs `body` under an alarm of `alarm_s` seconds (a hang, such as a lock inherited
+/// in the held state, is killed) and leaves with `_exit`: 0 if `body` returned, 1 if it panicked.
+/// Returns whether the child exited with 0, and its wait status.
+fn in_fork_child(alarm_s: u32, body: impl FnOnce()) -> (bool, i32) {
+    // SAFETY: the child only runs `body` and leaves with `_exit`.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        // SAFETY: a plain libc call.
+        unsafe { libc::alarm(alarm_s) };
+        let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).is_ok();
+        // SAFETY: leaves the child at once, without running the parent's exit handlers.
+        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    (
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        status,
+    )
+}
+
 #[test]
 fn fork_with_thread_caches_keeps_the_registry_sane() {
     // Threads that bind caches, then wait (idle) across the fork.
@@ -47,45 +70,29 @@ fn fork_with_thread_caches_keeps_the_registry_sane() {
     }
     black_box(small_traffic(99));
 
-    // SAFETY: the child only runs code below and leaves with `_exit`.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0, "fork failed");
-    if pid == 0 {
-        // Child: a hang (a corrupt, cyclic registry) is killed by the alarm.
-        // SAFETY: plain libc calls.
-        unsafe { libc::alarm(20) };
-        let ok = std::panic::catch_unwind(|| {
-            for round in 0..3 {
-                let hs: Vec<_> = (0..4)
-                    .map(|t| std::thread::spawn(move || small_traffic(round * 10 + t)))
-                    .collect();
-                for h in hs {
-                    black_box(h.join().unwrap());
-                }
-                let s = A.stats();
-                assert!(s.bytes_cached < 64 << 20, "{s:?}");
-                A.check().unwrap();
+    // Child: a hang (a corrupt, cyclic registry) is killed by the alarm.
+    let (ok, status) = in_fork_child(20, || {
+        for round in 0..3 {
+            let hs: Vec<_> = (0..4)
+                .map(|t| std::thread::spawn(move || small_traffic(round * 10 + t)))
+                .collect();
+            for h in hs {
+                black_box(h.join().unwrap());
             }
-            black_box(small_traffic(7));
+            let s = A.stats();
+            assert!(s.bytes_cached < 64 << 20, "{s:?}");
             A.check().unwrap();
-        })
-        .is_ok();
-        // SAFETY: leaves the child at once, without running the parent's exit handlers.
-        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
-    }
-    let mut status = 0;
-    // SAFETY: waits for our own child.
-    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        }
+        black_box(small_traffic(7));
+        A.check().unwrap();
+    });
     for _ in 0..4 {
         release_tx.send(()).unwrap();
     }
     for t in threads {
         t.join().unwrap();
     }
-    assert!(
-        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-        "child failed or hung (status {status:#x})"
-    );
+    assert!(ok, "child failed or hung (status {status:#x})");
     A.check().unwrap();
 }
 
@@ -100,10 +107,10 @@ fn locked_traffic(seed: usize) -> usize {
     big.iter().map(Vec::len).sum::<usize>() + small
 }
 
-#[test]
-fn fork_while_other_threads_hold_the_heap_lock() {
+/// Two threads running [`locked_traffic`] until the returned flag is set.
+fn busy_workers() -> (Arc<AtomicBool>, Vec<std::thread::JoinHandle<()>>) {
     let stop = Arc::new(AtomicBool::new(false));
-    let workers: Vec<_> = (0..2)
+    let workers = (0..2)
         .map(|t| {
             let stop = stop.clone();
             std::thread::spawn(move || {
@@ -115,31 +122,21 @@ fn fork_while_other_threads_hold_the_heap_lock() {
             })
         })
         .collect();
+    (stop, workers)
+}
+
+#[test]
+fn fork_while_other_threads_hold_the_heap_lock() {
+    let (stop, workers) = busy_workers();
     // Let the workers get going.
     std::thread::sleep(std::time::Duration::from_millis(50));
     for round in 0..100 {
-        // SAFETY: the child only runs code below and leaves with `_exit`.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0, "fork failed");
-        if pid == 0 {
-            // Child: a heap lock inherited in the held state would hang here; the alarm kills it.
-            // SAFETY: plain libc calls.
-            unsafe { libc::alarm(10) };
-            let ok = std::panic::catch_unwind(|| {
-                black_box(locked_traffic(round));
-                A.check().unwrap();
-            })
-            .is_ok();
-            // SAFETY: leaves the child at once, without running the parent's exit handlers.
-            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
-        }
-        let mut status = 0;
-        // SAFETY: waits for our own child.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        assert!(
-            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-            "child {round} failed or hung (status {status:#x})"
-        );
+        // Child: a heap lock inherited in the held state would hang here; the alarm kills it.
+        let (ok, status) = in_fork_child(10, || {
+            black_box(locked_traffic(round));
+            A.check().unwrap();
+        });
+        assert!(ok, "child {round} failed or hung (status {status:#x})");
     }
     stop.store(true, Ordering::Relaxed);
     for w in workers {
@@ -184,32 +181,16 @@ fn fork_during_first_use_initialisation() {
     };
     let mut forks = 0;
     while !worker.is_finished() || forks == 0 {
-        // SAFETY: the child only runs code below and leaves with `_exit`.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0, "fork failed");
-        if pid == 0 {
-            // Child: the instances around the worker's position at the fork, one of which may have
-            // been mid-initialisation. One whose initialisation lock was held at the fork would
-            // hang here (the alarm kills the child then).
-            // SAFETY: plain libc calls.
-            unsafe { libc::alarm(10) };
+        // Child: the instances around the worker's position at the fork, one of which may have
+        // been mid-initialisation. One whose initialisation lock was held at the fork would hang
+        // here (the alarm kills the child then).
+        let (ok, status) = in_fork_child(10, || {
             let at = progress.load(Ordering::SeqCst);
-            let ok = std::panic::catch_unwind(|| {
-                for a in &allocators[at.saturating_sub(1)..(at + 2).min(N)] {
-                    use_one(a);
-                }
-            })
-            .is_ok();
-            // SAFETY: leaves the child at once, without running the parent's exit handlers.
-            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
-        }
-        let mut status = 0;
-        // SAFETY: waits for our own child.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        assert!(
-            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-            "child {forks} failed or hung (status {status:#x})"
-        );
+            for a in &allocators[at.saturating_sub(1)..(at + 2).min(N)] {
+                use_one(a);
+            }
+        });
+        assert!(ok, "child {forks} failed or hung (status {status:#x})");
         forks += 1;
     }
     worker.join().unwrap();
@@ -225,44 +206,19 @@ fn fork_during_first_use_initialisation() {
 /// thread.)
 #[test]
 fn concurrent_forks_from_several_threads() {
-    let stop = Arc::new(AtomicBool::new(false));
-    let workers: Vec<_> = (0..2)
-        .map(|t| {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let mut i = t;
-                while !stop.load(Ordering::Relaxed) {
-                    black_box(locked_traffic(i));
-                    i += 2;
-                }
-            })
-        })
-        .collect();
+    let (stop, workers) = busy_workers();
     let forkers: Vec<_> = (0..4)
         .map(|f| {
             std::thread::spawn(move || {
                 for round in 0..150 {
                     black_box(small_traffic(f * 100 + round));
-                    // SAFETY: the child only runs code below and leaves with `_exit`.
-                    let pid = unsafe { libc::fork() };
-                    assert!(pid >= 0, "fork failed");
-                    if pid == 0 {
-                        // Child: a lock inherited in the held state hangs; the alarm kills it.
-                        // SAFETY: plain libc calls.
-                        unsafe { libc::alarm(10) };
-                        let ok = std::panic::catch_unwind(|| {
-                            black_box(locked_traffic(round));
-                            A.check().unwrap();
-                        })
-                        .is_ok();
-                        // SAFETY: leaves the child at once, without running exit handlers.
-                        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
-                    }
-                    let mut status = 0;
-                    // SAFETY: waits for our own child.
-                    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+                    // Child: a lock inherited in the held state hangs; the alarm kills it.
+                    let (ok, status) = in_fork_child(10, || {
+                        black_box(locked_traffic(round));
+                        A.check().unwrap();
+                    });
                     assert!(
-                        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+                        ok,
                         "forker {f}, child {round} failed or hung (status {status:#x})"
                     );
                 }

@@ -389,42 +389,44 @@ pub unsafe fn loom_fork_release() {
 /// nests inside this thread's fork (another library's prepare handler, or a signal handler, forks).
 ///
 /// So the first prepare call of a thread takes the locks (waiting while another thread's fork holds
-/// them) and sets the owner; further prepare calls on the owner's thread count up [`fork_depth`];
+/// them) and sets the owner; further prepare calls on the owner's thread count up its depth;
 /// each parent or child call on the owner's thread counts down, and the one that reaches zero clears
 /// the owner and releases the locks. glibc runs one parent or child call per prepare call, so the
 /// locks stay held until the outermost fork has happened. Only the holder writes the owner and the
 /// depth, so a thread that reads its own id holds the locks. (Loom model 8 checks two interleaved
 /// forks, with the handlers run once, registered twice, or nested.)
-#[cfg(not(loom))]
-fn fork_owner() -> &'static core::sync::atomic::AtomicUsize {
-    static OWNER: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
-    &OWNER
+struct ForkOwner {
+    /// The owner's `pthread_self` (0 for none).
+    thread: ForkAtomic,
+    /// Prepare calls of the owner's fork not yet matched by a parent or child call (only the owner
+    /// touches it).
+    depth: ForkAtomic,
 }
 
-/// Prepare calls of the owner's fork not yet matched by a parent or child call (see
-/// [`fork_owner`]; only the owner touches it).
 #[cfg(not(loom))]
-fn fork_depth() -> &'static core::sync::atomic::AtomicUsize {
-    static DEPTH: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
-    &DEPTH
+type ForkAtomic = core::sync::atomic::AtomicUsize;
+#[cfg(loom)]
+type ForkAtomic = crate::sync::AtomicUsize;
+
+#[cfg(not(loom))]
+fn fork_owner() -> &'static ForkOwner {
+    static OWNER: ForkOwner = ForkOwner {
+        thread: ForkAtomic::new(0),
+        depth: ForkAtomic::new(0),
+    };
+    &OWNER
 }
 
 /// Loom build: one owner per model execution.
 #[cfg(loom)]
-fn fork_owner() -> &'static crate::sync::AtomicUsize {
+fn fork_owner() -> &'static ForkOwner {
     loom::lazy_static! {
-        static ref OWNER: crate::sync::AtomicUsize = crate::sync::AtomicUsize::new(0);
+        static ref OWNER: ForkOwner = ForkOwner {
+            thread: ForkAtomic::new(0),
+            depth: ForkAtomic::new(0),
+        };
     }
     &OWNER
-}
-
-/// Loom build: one depth per model execution.
-#[cfg(loom)]
-fn fork_depth() -> &'static crate::sync::AtomicUsize {
-    loom::lazy_static! {
-        static ref DEPTH: crate::sync::AtomicUsize = crate::sync::AtomicUsize::new(0);
-    }
-    &DEPTH
 }
 
 /// Negative control for loom model 8 (loom builds only): when set, the handlers treat the owner as
@@ -455,13 +457,15 @@ fn owned_by(owner: usize, me: usize) -> bool {
 /// The prepare handler's work, on thread `me` (non-zero).
 fn fork_handler_prepare(me: usize) {
     use core::sync::atomic::Ordering::Relaxed;
-    if owned_by(fork_owner().load(Relaxed), me) {
-        fork_depth().store(fork_depth().load(Relaxed) + 1, Relaxed);
+    if owned_by(fork_owner().thread.load(Relaxed), me) {
+        fork_owner()
+            .depth
+            .store(fork_owner().depth.load(Relaxed) + 1, Relaxed);
         return;
     }
     fork_prepare();
-    fork_depth().store(1, Relaxed);
-    fork_owner().store(me, Relaxed);
+    fork_owner().depth.store(1, Relaxed);
+    fork_owner().thread.store(me, Relaxed);
 }
 
 /// What a parent or child call on thread `me` finds.
@@ -479,22 +483,22 @@ enum ForkEnd {
 /// Matches one prepare call of thread `me` (see [`fork_owner`]).
 fn end_fork_call(me: usize) -> ForkEnd {
     use core::sync::atomic::Ordering::Relaxed;
-    if !owned_by(fork_owner().load(Relaxed), me) {
+    if !owned_by(fork_owner().thread.load(Relaxed), me) {
         return ForkEnd::NotOwner;
     }
     #[allow(unused_mut)]
-    let mut depth = fork_depth().load(Relaxed).saturating_sub(1);
+    let mut depth = fork_owner().depth.load(Relaxed).saturating_sub(1);
     #[cfg(loom)]
     if LOOM_IGNORE_FORK_DEPTH.load(crate::sync::UnmodelledOrdering::Relaxed) {
         depth = 0;
     }
-    fork_depth().store(depth, Relaxed);
+    fork_owner().depth.store(depth, Relaxed);
     if depth > 0 {
         return ForkEnd::Nested;
     }
     // Before the locks are released, so the next fork's prepare step (which waits for them) sets
     // its own id after this store.
-    fork_owner().store(0, Relaxed);
+    fork_owner().thread.store(0, Relaxed);
     ForkEnd::Release
 }
 
@@ -807,7 +811,7 @@ impl GlobalBfc {
         use core::sync::atomic::Ordering::Relaxed;
         // The child's handler releases the locks only if this thread's fork holds them.
         assert!(
-            fork_owner().load(Relaxed) == me && fork_depth().load(Relaxed) > 0,
+            fork_owner().thread.load(Relaxed) == me && fork_owner().depth.load(Relaxed) > 0,
             "fork on thread {me} without holding the allocator's locks"
         );
         let a = self.anchor.load(crate::sync::Ordering::Acquire);
