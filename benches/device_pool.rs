@@ -4,8 +4,12 @@
 //!
 //! Run: `cargo bench --features cuda --bench device_pool`. Sizes 256 B .. 64 MiB; the table shows the
 //! median nanoseconds per alloc+free pair (each pair timed alone) and the speed-up of the pool. The
-//! three methods alternate by round so the machine's noise hits them alike. Without a driver or a GPU
-//! it prints why and exits 0.
+//! three methods alternate by round so the machine's noise hits them alike.
+//!
+//! A second table runs a training-step pattern: each step allocates 64 buffers of mixed sizes
+//! (256 B .. 4 MiB, the same sizes every step) on one stream and then frees them all, so the pool's
+//! batched events, misses and pending-list scans are in the numbers (median ns per alloc+free over
+//! the steps). Without a driver or a GPU it prints why and exits 0.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -13,6 +17,9 @@ use std::time::Instant;
 
 use bfc_alloc::cuda::{device_count, driver_available, DeviceBuffer, DevicePool, PoolOptions};
 use cudarc::driver::{result, CudaSlice, CudaStream};
+
+/// Buffers per step of the training-step pattern.
+const STEP_BUFFERS: usize = 64;
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -108,6 +115,79 @@ fn main() {
         );
         size *= 4;
     }
+    // The training-step pattern.
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let sizes: Vec<usize> = (0..STEP_BUFFERS)
+        .map(|_| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let exp = 8 + (rng % 15) as u32; // 256 B .. 4 MiB
+            (1usize << exp) + (rng >> 32) as usize % (1usize << exp)
+        })
+        .collect();
+    let per_pair = |steps: usize, mut step: Box<dyn FnMut() + '_>| -> Vec<f64> {
+        step(); // warm-up
+        time_pairs(steps, &mut *step)
+            .into_iter()
+            .map(|ns| ns / STEP_BUFFERS as f64)
+            .collect()
+    };
+    let (mut p, mut d, mut c) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..5 {
+        p.extend(per_pair(
+            40,
+            Box::new(|| {
+                let held: Vec<DeviceBuffer<u8>> = sizes
+                    .iter()
+                    // SAFETY: never read.
+                    .map(|&n| unsafe { pool.alloc(&stream, n) }.expect("pool alloc"))
+                    .collect();
+                drop(black_box(held));
+            }),
+        ));
+        d.extend(per_pair(
+            4,
+            Box::new(|| {
+                // SAFETY: as in `driver_pair`.
+                let held: Vec<u64> = sizes
+                    .iter()
+                    .map(|&n| unsafe { result::malloc_sync(n) }.expect("cuMemAlloc"))
+                    .collect();
+                for p in black_box(held) {
+                    // SAFETY: allocated above, never used.
+                    unsafe { result::free_sync(p) }.expect("cuMemFree");
+                }
+            }),
+        ));
+        c.extend(per_pair(
+            40,
+            Box::new(|| {
+                let held: Vec<CudaSlice<u8>> = sizes
+                    .iter()
+                    // SAFETY: never read.
+                    .map(|&n| unsafe { stream.alloc(n) }.expect("stream.alloc"))
+                    .collect();
+                drop(black_box(held));
+            }),
+        ));
+    }
+    stream.synchronize().expect("synchronize");
+    let (p, d, c) = (median(&mut p), median(&mut d), median(&mut c));
+    println!(
+        "\ntraining step: {STEP_BUFFERS} buffers of 256 B .. 4 MiB allocated, then all freed, \
+         ns per alloc+free"
+    );
+    println!(
+        "{:>10} {:>14} {:>16} {:>16} {:>9} {:>9}",
+        "", "pool", "cuMemAlloc", "stream.alloc", "vs cuMem", "vs cudarc"
+    );
+    println!(
+        "{:>10} {p:>14.0} {d:>16.0} {c:>16.0} {:>8.1}x {:>8.1}x",
+        "step",
+        d / p,
+        c / p
+    );
     println!("\n{}", pool.stats());
     pool.check_err().expect("deferred pool errors");
 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use bfc_alloc::core::OomCause;
 use bfc_alloc::cuda::{
     min_system_memory, DeviceBuffer, DevicePool, MemoryLimit, PoolError, PoolOptions, SimBackend,
-    SimDevice, SimStream,
+    SimDevice, SimStream, OPEN_LIMIT,
 };
 
 const MIB: usize = 1 << 20;
@@ -204,11 +204,15 @@ fn same_stream_reuses_at_once_other_streams_wait_for_the_event() {
     let addr = a.device_address();
     drop(a);
     assert_eq!(p.stats().pending_blocks, 1);
-    assert_eq!(dev.outstanding(A), 1);
+    // Freed without an event: only stream A may reuse it so far.
+    assert_eq!(dev.recorded(A), 0);
 
-    // Another stream must not get it while A's work may still use it.
+    // Another stream must not get it while A's work may still use it. Its miss records an event
+    // on A (the block could serve it once A's work is done).
     let b = alloc(&p, B, 4096).unwrap();
     assert_ne!(b.device_address(), addr);
+    assert_eq!(dev.recorded(A), 1);
+    assert_eq!(dev.outstanding(A), 1);
     // The same stream gets it back at once, without waiting.
     let a2 = alloc(&p, A, 4096).unwrap();
     assert_eq!(a2.device_address(), addr);
@@ -218,12 +222,85 @@ fn same_stream_reuses_at_once_other_streams_wait_for_the_event() {
     drop(a2);
     let b2 = alloc(&p, B, 4096).unwrap();
     assert_ne!(b2.device_address(), addr);
+    assert_eq!(dev.recorded(A), 2);
     // Once A's work is done, the block is everybody's.
     dev.complete(A);
     let b3 = alloc(&p, B, 4096).unwrap();
     assert_eq!(b3.device_address(), addr);
     assert_eq!(p.stats().pending_blocks, 0);
     drop((b, b2, b3));
+    p.check().unwrap();
+}
+
+#[test]
+fn a_stream_reusing_its_own_blocks_makes_no_driver_call() {
+    let dev = SimDevice::new(4 * GIB);
+    let p = pool(&dev, PoolOptions::with_limit(GIB));
+    let first = alloc(&p, A, 64 << 10).unwrap().device_address();
+    let requests = dev.requests().len();
+    for _ in 0..1000 {
+        let b = alloc(&p, A, 64 << 10).unwrap();
+        assert_eq!(b.device_address(), first);
+    }
+    assert_eq!(dev.recorded(A), 0, "no event for same-stream reuse");
+    assert_eq!(dev.requests().len(), requests);
+    let s = p.stats();
+    assert_eq!((s.pending_blocks, s.pending_bytes), (1, 64 << 10));
+    assert_eq!(s.bytes_in_buffers(), 0);
+    assert!(s.to_string().contains("bytes in buffers:    0\n"), "{s}");
+    // Trimming records the event, and the block goes back once A's work is done.
+    p.trim();
+    assert_eq!(dev.recorded(A), 1);
+    assert_eq!(p.stats().pending_blocks, 1);
+    dev.complete(A);
+    p.trim();
+    assert_eq!(p.stats().pending_blocks, 0);
+    assert_eq!(dev.bytes_live(), 0);
+}
+
+#[test]
+fn open_blocks_are_closed_by_one_event_per_batch() {
+    let dev = SimDevice::new(4 * GIB);
+    let p = pool(&dev, PoolOptions::with_limit(GIB));
+    let n = OPEN_LIMIT + 1;
+    let held: Vec<_> = (0..n).map(|_| alloc(&p, A, 4096).unwrap()).collect();
+    let addrs: Vec<u64> = held.iter().map(|b| b.device_address()).collect();
+    drop(held);
+    // The free that went over the limit recorded one event for all of them.
+    assert_eq!(dev.recorded(A), 1);
+    assert_eq!(p.stats().pending_blocks, n);
+    // Not done yet: stream B gets other memory.
+    let b = alloc(&p, B, 4096).unwrap();
+    assert!(!addrs.contains(&b.device_address()));
+    assert_eq!(dev.recorded(A), 1);
+    // Done: one poll returns the whole batch to the engine.
+    dev.complete(A);
+    let b2 = alloc(&p, B, 4096).unwrap();
+    assert_eq!(p.stats().pending_blocks, 0);
+    assert!(addrs.contains(&b2.device_address()));
+    drop((b, b2));
+    p.check().unwrap();
+}
+
+#[test]
+fn a_miss_starts_the_streams_open_blocks_back_to_the_engine() {
+    let dev = SimDevice::new(4 * GIB);
+    let p = pool(&dev, PoolOptions::with_limit(GIB));
+    let big = alloc(&p, A, MIB).unwrap();
+    let addr = big.device_address();
+    drop(big);
+    // Too big to hand out whole for 1 KiB: a miss, which records A's event.
+    let small = alloc(&p, A, 1024).unwrap();
+    assert_ne!(small.device_address(), addr);
+    assert_eq!(dev.recorded(A), 1);
+    assert_eq!(p.stats().pending_blocks, 1);
+    dev.complete(A);
+    // The next allocation polls, the block joins the engine, and the engine splits it.
+    let again = alloc(&p, B, 2048).unwrap();
+    let s = p.stats();
+    assert_eq!(s.pending_blocks, 0);
+    assert_eq!(s.allocator.bytes_in_use, 1024 + 2048);
+    drop((small, again));
     p.check().unwrap();
 }
 
@@ -309,7 +386,9 @@ fn failed_event_record_is_deferred_and_the_block_waits_for_a_device_sync() {
     let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
     dev.set_fail_event_record(true);
     let a = alloc(&p, A, MIB).unwrap();
-    drop(a); // must not panic
+    drop(a);
+    // Trimming records the free's event, which fails: deferred, no panic.
+    p.trim();
     dev.set_fail_event_record(false);
     let s = p.stats();
     assert_eq!(s.pending_blocks, 1);
@@ -419,7 +498,7 @@ fn random_ops_never_hand_a_busy_block_to_another_stream() {
     // A small limit, so that out-of-memory flushes and trims happen often.
     let p = pool(&dev, PoolOptions::with_limit(40 * MIB));
     let streams = [SimStream(1), SimStream(2), SimStream(3)];
-    // Freed ranges whose event may not have completed: (lo, hi, stream, event sequence number).
+    // Freed ranges whose stream's work may not have completed: (lo, hi, stream, last work item).
     let mut freed: Vec<(u64, u64, SimStream, u64)> = Vec::new();
     let mut live: Vec<DeviceBuffer<u8, SimBackend>> = Vec::new();
     let mut rng = 0x2545_f491_4f6c_dd1du64;
@@ -472,8 +551,11 @@ fn random_ops_never_hand_a_busy_block_to_another_stream() {
                     b.device_address() + b.block_size() as u64,
                     *b.home_stream(),
                 );
+                // A kernel still using the buffer when it is freed: the block may go to another
+                // stream only once that work is done.
+                let work = dev.enqueue(hs);
                 drop(b);
-                freed.push((lo, hi, hs, dev.recorded(hs)));
+                freed.push((lo, hi, hs, work));
             }
             8 => dev.complete(s),
             _ => {

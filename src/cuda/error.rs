@@ -130,7 +130,8 @@ pub struct DeviceStats {
     pub ordinal: usize,
     /// The engine's counters (blocks pending on a stream count as in use there).
     pub allocator: Stats,
-    /// Freed blocks waiting for their stream's work to finish.
+    /// Freed blocks kept for reuse by their stream, or waiting for its work to finish (see the
+    /// stream model in the [module documentation](super)).
     pub pending_blocks: usize,
     /// Their total size.
     pub pending_bytes: usize,
@@ -156,6 +157,7 @@ impl fmt::Display for DeviceStats {
             "pending frees:       {} blocks, {} B",
             self.pending_blocks, self.pending_bytes
         )?;
+        writeln!(f, "bytes in buffers:    {}", self.bytes_in_buffers())?;
         write!(
             f,
             "device memory:       {} B free of {} B",

@@ -11,7 +11,7 @@
 //! DeviceBackend (cuMemAlloc/cuMemFree, events) --regions--> Bfc --blocks--> DeviceBuffer<T>
 //!                                                            ^                    | drop on stream A
 //!                                      event on A completed  |                    v
-//!                                                   pending list: (block, stream A, event)
+//!                                          pending list: (block, stream A, no event yet | event)
 //! ```
 //!
 //! # Stream model
@@ -20,15 +20,26 @@
 //! asynchronous, so when a buffer is dropped, work queued on its home stream may still read or write
 //! it. The pool therefore does not return the block to the engine at once:
 //!
-//! 1. On drop, an event is recorded on the home stream A and the block goes to a *pending list*,
-//!    tagged (A, event).
+//! 1. On drop, the block goes to a *pending list*, tagged with its stream A and no event (*open*).
+//!    Dropping a buffer makes no driver call.
 //! 2. An allocation on the same stream A may take a fitting pending block of A immediately: its work
-//!    is queued before anything the new owner queues on A, so stream order protects it.
-//! 3. A pending block becomes available to every stream once its event has completed. Pending
-//!    events are polled on every allocation and free (one query per stream: a stream's events
-//!    complete in order).
-//! 4. Before reporting out-of-memory, the pool waits for every pending event, returns all pending
-//!    blocks, gives fully free regions back to the driver ([`DevicePool::trim`]), and tries again.
+//!    is queued before anything the new owner queues on A, so stream order protects it. A stream
+//!    that allocates and frees the same sizes in a loop is served with no driver call at all.
+//! 3. An event is recorded on A, once for all of A's open blocks (*closing* them), when A misses
+//!    (none of its pending blocks fits a request), when another stream misses and one of A's open
+//!    blocks is large enough for it, when A has more than [`OPEN_LIMIT`] open blocks, and on
+//!    [`trim`](DevicePool::trim), [`synchronize`](DevicePool::synchronize) and out-of-memory. An
+//!    event recorded later than the free covers all the work queued before it, so this only delays
+//!    the release.
+//! 4. A closed block goes back to the engine, for every stream, once its event has completed.
+//!    Pending events are polled on every allocation and free (one query per stream and event: a
+//!    stream's events complete in order).
+//! 5. Before reporting out-of-memory, the pool waits for every pending block's work, returns them
+//!    all, gives fully free regions back to the driver ([`DevicePool::trim`]), and tries again.
+//!
+//! So memory freed on a stream that stops allocating stays its own until one of the events in 3
+//! (at most [`OPEN_LIMIT`] blocks per stream, and never past the pool's limit: out-of-memory waits
+//! for them).
 //!
 //! Uses on other streams are ordered when they go through cudarc's `DevicePtr::device_ptr` /
 //! `DevicePtrMut::device_ptr_mut` (as `memcpy_*` do): the other stream first waits for the home
@@ -77,5 +88,5 @@ pub use backend::{BackendError, DeviceBackend};
 pub use buffer::DeviceBuffer;
 pub use driver::{device_count, driver_available, CudaBackend, CudaUses};
 pub use error::{DeviceOom, DeviceStats, PoolError};
-pub use pool::{min_system_memory, DevicePool, MemoryLimit, PoolOptions, GRANULE};
+pub use pool::{min_system_memory, DevicePool, MemoryLimit, PoolOptions, GRANULE, OPEN_LIMIT};
 pub use sim::{SimBackend, SimDevice, SimEvent, SimStream};

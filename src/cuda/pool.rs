@@ -108,23 +108,44 @@ pub fn min_system_memory(available: usize, cc_major: i32) -> usize {
     }
 }
 
+/// Blocks of one stream that wait, freed without an event, for that stream to reuse them; the free
+/// of one more records one event for all of them (see the [module documentation](super)).
+pub const OPEN_LIMIT: usize = 32;
+
+/// How a pending block's free is ordered after the work queued before it on its stream.
+enum Order<E> {
+    /// No event yet: only its own stream may take it (stream order protects it). An event is
+    /// recorded for all of a stream's open blocks at once when the stream misses, piles up
+    /// [`OPEN_LIMIT`] of them, or the pool trims, synchronises or runs out of memory.
+    Open,
+    /// An event recorded on its stream after the free, shared by the blocks closed together.
+    Event(Arc<E>),
+    /// Recording the event failed: only a device-wide synchronisation releases it.
+    Unordered,
+}
+
 /// A block freed on `stream` whose work may still be running.
-struct Pending<E> {
+struct Pending<S, E> {
     ptr: usize,
     size: usize,
-    stream: u64,
-    /// Recorded on `stream` after the free; `None` when recording failed (then only a device-wide
-    /// synchronisation releases the block).
-    event: Option<E>,
+    stream_id: u64,
+    /// Kept alive while the block is pending, so that the stream's id cannot be reused by a new
+    /// stream meanwhile, and an event can still be recorded on it.
+    stream: S,
+    order: Order<E>,
 }
 
 /// Everything behind the pool's lock.
 pub(crate) struct State<B: DeviceBackend> {
     bfc: Bfc<DeviceSource<B>, Vec<Chunk>>,
-    /// Freed blocks waiting for their stream, oldest first. Invariant: each is in use in `bfc`, and
-    /// `pending_bytes` is the sum of their sizes.
-    pending: VecDeque<Pending<B::Event>>,
+    /// Freed blocks waiting for their stream, oldest first. Invariants: each is in use in `bfc`,
+    /// `pending_bytes` is the sum of their sizes, and a stream's open blocks come after its blocks
+    /// with an event.
+    pending: VecDeque<Pending<B::Stream, B::Event>>,
     pending_bytes: usize,
+    /// Scratch for `poll_pending`: per stream seen, whether its last queried event is done, and
+    /// that event's address (blocks closed together share it: one query for all).
+    polled: Vec<(u64, bool, usize)>,
     /// Errors that happened where none could be returned (in `Drop`), oldest first.
     errors: Vec<PoolError>,
 }
@@ -158,52 +179,127 @@ impl<B: DeviceBackend> State<B> {
         }
     }
 
+    /// Removes the pending block at `i` (recycling its event if no other block shares it) and
+    /// returns its address and size; the block stays in use in the engine.
+    fn remove_pending(&mut self, i: usize) -> Option<(usize, usize)> {
+        let p = self.pending.remove(i)?;
+        self.pending_bytes -= p.size;
+        if let Order::Event(e) = p.order {
+            if let Ok(e) = Arc::try_unwrap(e) {
+                self.backend().recycle_event(e);
+            }
+        }
+        Some((p.ptr, p.size))
+    }
+
     /// Returns the pending block at `i` to the engine.
     fn release_pending(&mut self, i: usize) {
-        let Some(p) = self.pending.remove(i) else {
-            return;
-        };
-        self.pending_bytes -= p.size;
-        if let Some(e) = p.event {
-            self.backend().recycle_event(e);
+        if let Some((ptr, _)) = self.remove_pending(i) {
+            if let Err(e) = self.bfc.deallocate(ptr) {
+                self.defer(PoolError::Free(e));
+            }
         }
-        if let Err(e) = self.bfc.deallocate(p.ptr) {
-            self.defer(PoolError::Free(e));
+    }
+
+    /// How many open blocks stream `sid` has.
+    fn open_blocks(&self, sid: u64) -> usize {
+        self.pending
+            .iter()
+            .filter(|p| p.stream_id == sid && matches!(p.order, Order::Open))
+            .count()
+    }
+
+    /// Records one event on stream `sid` for all its open blocks. Returns whether it had any.
+    fn close(&mut self, sid: u64) -> bool {
+        let Some(stream) = self
+            .pending
+            .iter()
+            .find(|p| p.stream_id == sid && matches!(p.order, Order::Open))
+            .map(|p| p.stream.clone())
+        else {
+            return false;
+        };
+        let order = match self.backend().record_event(&stream) {
+            Ok(e) => Some(Arc::new(e)),
+            Err(e) => {
+                self.defer(PoolError::Backend(e));
+                None
+            }
+        };
+        for p in self.pending.iter_mut() {
+            if p.stream_id == sid && matches!(p.order, Order::Open) {
+                p.order = match &order {
+                    Some(e) => Order::Event(e.clone()),
+                    None => Order::Unordered,
+                };
+            }
+        }
+        true
+    }
+
+    /// Closes the open blocks of every stream.
+    fn close_all(&mut self) {
+        while let Some(sid) = self
+            .pending
+            .iter()
+            .find(|p| matches!(p.order, Order::Open))
+            .map(|p| p.stream_id)
+        {
+            self.close(sid);
         }
     }
 
     /// Returns every pending block whose stream has passed its event to the engine. Events of one
-    /// stream complete in order, so each stream is queried until its first unfinished event.
+    /// stream complete in order (and its open blocks follow its blocks with an event), so each
+    /// stream is queried until its first unfinished event.
     fn poll_pending(&mut self) {
-        let mut busy: Vec<u64> = Vec::new();
+        if !self
+            .pending
+            .iter()
+            .any(|p| matches!(p.order, Order::Event(_)))
+        {
+            return;
+        }
+        let mut polled = core::mem::take(&mut self.polled);
+        polled.clear();
         let mut i = 0;
         while i < self.pending.len() {
-            let stream = self.pending[i].stream;
-            if busy.contains(&stream) {
+            let sid = self.pending[i].stream_id;
+            let seen = polled.iter().position(|&(s, _, _)| s == sid);
+            // Blocks after the stream's first unfinished event wait.
+            if seen.is_some_and(|k| !polled[k].1) {
                 i += 1;
                 continue;
             }
-            let done = match self.pending[i].event.take() {
-                None => false,
-                Some(ev) => {
-                    let r = self.backend().event_done(&ev);
-                    self.pending[i].event = Some(ev);
-                    match r {
-                        Ok(d) => d,
-                        Err(e) => {
-                            self.defer(PoolError::Backend(e));
-                            false
+            let (done, addr) = match &self.pending[i].order {
+                Order::Event(ev) => {
+                    let addr = Arc::as_ptr(ev) as usize;
+                    if seen.is_some_and(|k| polled[k].2 == addr) {
+                        (true, addr) // shares an event already found done
+                    } else {
+                        let ev = ev.clone();
+                        match self.backend().event_done(&ev) {
+                            Ok(d) => (d, addr),
+                            Err(e) => {
+                                self.defer(PoolError::Backend(e));
+                                (false, addr)
+                            }
                         }
                     }
                 }
+                Order::Open | Order::Unordered => (false, 0),
             };
+            match seen {
+                Some(k) => polled[k] = (sid, done, addr),
+                None => polled.push((sid, done, addr)),
+            }
             if done {
                 self.release_pending(i);
             } else {
-                busy.push(stream);
                 i += 1;
             }
         }
+        self.polled = polled;
     }
 
     /// Waits for every pending block's work and returns them all to the engine. A block whose work
@@ -213,8 +309,13 @@ impl<B: DeviceBackend> State<B> {
         if self.pending.is_empty() {
             return;
         }
+        self.close_all();
         let mut device_synced = false;
-        if self.pending.iter().any(|p| p.event.is_none()) {
+        if self
+            .pending
+            .iter()
+            .any(|p| matches!(p.order, Order::Unordered))
+        {
             match self.backend().synchronize() {
                 Ok(()) => device_synced = true,
                 Err(e) => self.defer(PoolError::Backend(e)),
@@ -223,12 +324,11 @@ impl<B: DeviceBackend> State<B> {
         let mut i = 0;
         while i < self.pending.len() {
             let ok = device_synced
-                || match self.pending[i].event.take() {
-                    None => false,
-                    Some(ev) => {
-                        let r = self.backend().event_sync(&ev);
-                        self.pending[i].event = Some(ev);
-                        match r {
+                || match &self.pending[i].order {
+                    Order::Open | Order::Unordered => false,
+                    Order::Event(ev) => {
+                        let ev = ev.clone();
+                        match self.backend().event_sync(&ev) {
                             Ok(()) => true,
                             Err(e) => {
                                 self.defer(PoolError::Backend(e));
@@ -261,7 +361,7 @@ impl<B: DeviceBackend> State<B> {
         let want = bytes.max(1).checked_next_multiple_of(GRANULE)?;
         let mut best: Option<(usize, usize)> = None;
         for (i, p) in self.pending.iter().enumerate() {
-            if p.stream != stream || p.size < want || p.ptr % align != 0 {
+            if p.stream_id != stream || p.size < want || p.ptr % align != 0 {
                 continue;
             }
             let left = p.size - want;
@@ -276,12 +376,7 @@ impl<B: DeviceBackend> State<B> {
             }
         }
         let (i, _) = best?;
-        let p = self.pending.remove(i)?;
-        self.pending_bytes -= p.size;
-        if let Some(e) = p.event {
-            self.backend().recycle_event(e);
-        }
-        Some((p.ptr, p.size))
+        self.remove_pending(i)
     }
 
     #[allow(
@@ -344,6 +439,25 @@ impl<B: DeviceBackend> Shared<B> {
         if let Some((p, size)) = st.take_pending(sid, bytes, align) {
             return Ok((p as u64, size));
         }
+        // A miss: this stream's open blocks do not fit, so start their way back to the engine, and
+        // that of any other stream's open blocks that could serve the request once its work is done.
+        let mut closed = st.close(sid);
+        let mut others: Vec<u64> = Vec::new();
+        for p in st.pending.iter() {
+            if p.stream_id != sid
+                && p.size >= bytes
+                && matches!(p.order, Order::Open)
+                && !others.contains(&p.stream_id)
+            {
+                others.push(p.stream_id);
+            }
+        }
+        for other in others {
+            closed |= st.close(other);
+        }
+        if closed {
+            st.poll_pending();
+        }
         let r = match st.allocate(bytes, align) {
             Err(AllocError::OutOfMemory(_)) => {
                 // Wait for every pending free, give fully free regions back, and try once more.
@@ -368,24 +482,24 @@ impl<B: DeviceBackend> Shared<B> {
     /// Frees the block at `ptr` (of `size` bytes) used on `stream`. Never fails; errors are deferred.
     pub(crate) fn free_block(&self, ptr: u64, size: usize, stream: &B::Stream, uses: &B::Uses) {
         let ordered = B::finish_uses(stream, uses);
+        let sid = B::stream_id(stream);
         let mut st = self.lock();
         if let Err(e) = ordered {
             st.defer(PoolError::Backend(e));
         }
-        let event = match st.backend().record_event(stream) {
-            Ok(e) => Some(e),
-            Err(e) => {
-                st.defer(PoolError::Backend(e));
-                None
-            }
-        };
+        // No event yet: the stream itself may reuse the block at once, and an event is recorded
+        // for a batch of open blocks only when another stream may want them (see `Order::Open`).
         st.pending.push_back(Pending {
             ptr: ptr as usize,
             size,
-            stream: B::stream_id(stream),
-            event,
+            stream_id: sid,
+            stream: stream.clone(),
+            order: Order::Open,
         });
         st.pending_bytes += size;
+        if st.open_blocks(sid) > OPEN_LIMIT {
+            st.close(sid);
+        }
         st.poll_pending();
     }
 }
@@ -454,6 +568,7 @@ impl<B: DeviceBackend> DevicePool<B> {
                     bfc,
                     pending: VecDeque::new(),
                     pending_bytes: 0,
+                    polled: Vec::new(),
                     errors: Vec::new(),
                 }),
             }),
@@ -502,10 +617,12 @@ impl<B: DeviceBackend> DevicePool<B> {
         ))
     }
 
-    /// Frees every pending block whose work has finished, then returns every fully free region to
-    /// the driver (TensorFlow's and PyTorch's `empty_cache`). Returns the bytes given back.
+    /// Records an event for every open pending block, returns to the engine every pending block
+    /// whose work has finished (no waiting), then returns every fully free region to the driver
+    /// (TensorFlow's and PyTorch's `empty_cache`). Returns the bytes given back.
     pub fn trim(&self) -> usize {
         let mut st = self.shared.lock();
+        st.close_all();
         st.poll_pending();
         let n = st.bfc.release_free_regions();
         st.collect_source_errors();

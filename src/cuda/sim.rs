@@ -1,9 +1,10 @@
 //! A simulated device: addresses without memory, and events that tests complete by hand.
 //!
 //! [`SimDevice`] is the test's handle on the device; [`SimBackend`] is what the pool owns. Work
-//! "queued" on a [`SimStream`] is modelled only by events: each recorded event gets the next sequence
-//! number of its stream, and it is done once the test has completed the stream up to it
-//! ([`SimDevice::complete`]) or the pool waited for it (which completes it, as a real wait would).
+//! queued on a [`SimStream`] is a count: a test queues work with [`SimDevice::enqueue`] (a kernel
+//! that uses a buffer, say), and each recorded event is one more item. An event is done once the
+//! test has completed the stream up to it ([`SimDevice::complete`]) or the pool waited for it
+//! (which completes it, as a real wait would).
 
 use std::string::ToString;
 use std::sync::{Arc, PoisonError};
@@ -19,7 +20,7 @@ use crate::core::MemorySource;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SimStream(pub u64);
 
-/// A simulated event: the `seq`-th event recorded on `stream` (from 1).
+/// A simulated event: item `seq` of `stream`'s queue (from 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SimEvent {
     /// The stream it was recorded on.
@@ -38,8 +39,7 @@ struct SimState {
     addresses: SimSource,
     /// Live allocations: `(ptr, size)`.
     live: Vec<(u64, usize)>,
-    /// Per stream: `(id, events recorded, events completed)`.
-    streams: Vec<(u64, u64, u64)>,
+    streams: Vec<SimStreamState>,
     /// Every allocation size asked of the device, in order.
     requests: Vec<usize>,
     /// Allocations larger than this are refused.
@@ -50,12 +50,29 @@ struct SimState {
     fail_event_record: bool,
 }
 
+/// Work on one simulated stream. Items are numbered from 1 in queue order and complete in order.
+#[derive(Debug)]
+struct SimStreamState {
+    id: u64,
+    /// Items queued so far (work and events).
+    queued: u64,
+    /// Items completed so far (`<= queued`).
+    done: u64,
+    /// Events recorded so far.
+    events: u64,
+}
+
 impl SimState {
-    fn stream(&mut self, id: u64) -> &mut (u64, u64, u64) {
-        let i = match self.streams.iter().position(|s| s.0 == id) {
+    fn stream(&mut self, id: u64) -> &mut SimStreamState {
+        let i = match self.streams.iter().position(|s| s.id == id) {
             Some(i) => i,
             None => {
-                self.streams.push((id, 0, 0));
+                self.streams.push(SimStreamState {
+                    id,
+                    queued: 0,
+                    done: 0,
+                    events: 0,
+                });
                 self.streams.len() - 1
             }
         };
@@ -132,35 +149,49 @@ impl SimDevice {
         self.lock().fail_event_record = fail;
     }
 
+    /// Queues one item of work on `stream` (it completes with [`complete`](Self::complete)).
+    /// Returns its number: the work queued on `stream` so far.
+    pub fn enqueue(&self, stream: SimStream) -> u64 {
+        let mut st = self.lock();
+        let s = st.stream(stream.0);
+        s.queued += 1;
+        s.queued
+    }
+
     /// Completes all work queued on `stream` so far.
     pub fn complete(&self, stream: SimStream) {
         let mut st = self.lock();
         let s = st.stream(stream.0);
-        s.2 = s.1;
+        s.done = s.queued;
     }
 
     /// Completes all work on every stream.
     pub fn complete_all(&self) {
         for s in self.lock().streams.iter_mut() {
-            s.2 = s.1;
+            s.done = s.queued;
         }
     }
 
-    /// Events recorded on `stream` and not yet completed.
+    /// Items (work and events) queued on `stream` and not yet completed.
     pub fn outstanding(&self, stream: SimStream) -> u64 {
         let mut st = self.lock();
         let s = st.stream(stream.0);
-        s.1 - s.2
+        s.queued - s.done
     }
 
-    /// Events recorded on `stream` so far (the last one's sequence number).
+    /// Events recorded on `stream` so far.
     pub fn recorded(&self, stream: SimStream) -> u64 {
-        self.lock().stream(stream.0).1
+        self.lock().stream(stream.0).events
     }
 
-    /// Events of `stream` completed so far (completed ones are a prefix).
+    /// Items of `stream` queued so far (the last one's number).
+    pub fn queued(&self, stream: SimStream) -> u64 {
+        self.lock().stream(stream.0).queued
+    }
+
+    /// Items of `stream` completed so far (completed ones are a prefix).
     pub fn completed(&self, stream: SimStream) -> u64 {
-        self.lock().stream(stream.0).2
+        self.lock().stream(stream.0).done
     }
 
     /// Every allocation size asked of the device, in order.
@@ -280,23 +311,24 @@ impl DeviceBackend for SimBackend {
             ));
         }
         let s = st.stream(stream.0);
-        s.1 += 1;
+        s.queued += 1;
+        s.events += 1;
         Ok(SimEvent {
             stream: stream.0,
-            seq: s.1,
+            seq: s.queued,
         })
     }
 
     fn event_done(&mut self, event: &SimEvent) -> Result<bool, BackendError> {
         let mut st = self.device.lock();
-        Ok(st.stream(event.stream).2 >= event.seq)
+        Ok(st.stream(event.stream).done >= event.seq)
     }
 
     fn event_sync(&mut self, event: &SimEvent) -> Result<(), BackendError> {
         let mut st = self.device.lock();
         st.event_syncs += 1;
         let s = st.stream(event.stream);
-        s.2 = s.2.max(event.seq);
+        s.done = s.done.max(event.seq);
         Ok(())
     }
 
@@ -304,7 +336,7 @@ impl DeviceBackend for SimBackend {
         let mut st = self.device.lock();
         st.device_syncs += 1;
         for s in st.streams.iter_mut() {
-            s.2 = s.1;
+            s.done = s.queued;
         }
         Ok(())
     }
