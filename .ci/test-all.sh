@@ -11,9 +11,10 @@ cargo test --all-targets --features cuda   # the device pool; GPU tests skip wit
 
 echo "== no_std core (no default features), host and bare-metal target"
 cargo build --no-default-features
+cargo test --no-default-features
 # The host allocator without std: the lock alone, no thread caches.
 cargo build --no-default-features --features host
-cargo test --no-default-features --features host --test global --test host_props
+cargo test --no-default-features --features host
 if rustup target list --installed 2>/dev/null | grep -qx thumbv7em-none-eabihf \
    || rustup target add thumbv7em-none-eabihf >/dev/null 2>&1; then
   cargo build --no-default-features --target thumbv7em-none-eabihf

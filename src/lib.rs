@@ -6,14 +6,18 @@
 //!   arena, usable as `#[global_allocator]`.
 //!
 //! ```no_run
+//! # #[cfg(feature = "host")]
 //! #[global_allocator]
 //! static A: bfc_alloc::GlobalBfc = bfc_alloc::GlobalBfc::new();
 //!
+//! # #[cfg(feature = "host")]
 //! fn main() {
 //!     let v = vec![1u8; 1 << 20];
 //!     println!("{}", A.stats());
 //!     drop(v);
 //! }
+//! # #[cfg(not(feature = "host"))]
+//! # fn main() {}
 //! ```
 #![no_std]
 #![deny(unsafe_op_in_unsafe_fn)]

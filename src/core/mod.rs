@@ -1157,5 +1157,5 @@ pub mod maps;
 #[cfg(feature = "std")]
 pub mod sim;
 
-#[cfg(test)]
+#[cfg(all(test, feature = "std"))]
 mod tests;
