@@ -274,3 +274,33 @@ fn a_pool_for_every_device() {
         assert_eq!(s.clone_dtoh(&b).unwrap(), vec![i as u32; 100]);
     }
 }
+
+#[test]
+fn a_per_thread_stream_is_refused() {
+    let Some(pool) = pool(PoolOptions::with_limit(64 * MIB)) else {
+        return;
+    };
+    let s = pool.context().per_thread_stream();
+    // SAFETY: never read.
+    let e = unsafe { pool.alloc::<u8>(&s, 1024) }.unwrap_err();
+    assert!(e.to_string().contains("per-thread"), "{e}");
+}
+
+#[test]
+fn trim_after_the_stream_is_idle_returns_the_memory() {
+    let Some(pool) = pool(PoolOptions::with_limit(256 * MIB)) else {
+        return;
+    };
+    let s = pool.context().new_stream().unwrap();
+    let buf = pool.clone_htod(&s, &vec![7u32; 1 << 20]).unwrap();
+    drop(buf);
+    assert_eq!(pool.stats().pending_blocks, 1);
+    s.synchronize().unwrap();
+    assert!(
+        pool.trim() > 0,
+        "an idle stream's free block goes back at once"
+    );
+    let st = pool.stats();
+    assert_eq!((st.pending_blocks, st.allocator.bytes_reserved), (0, 0));
+    pool.check_err().unwrap();
+}

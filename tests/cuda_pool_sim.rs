@@ -141,6 +141,7 @@ fn trim_returns_free_regions_to_the_driver() {
     let a = alloc(&p, A, MIB).unwrap();
     let b = alloc(&p, A, 3 * MIB).unwrap();
     assert_eq!(dev.allocations_live(), 2);
+    dev.enqueue(A); // a kernel using `b`
     drop(b);
     // Still pending on A: trimming cannot release it yet.
     assert_eq!(p.trim(), 0);
@@ -202,33 +203,60 @@ fn same_stream_reuses_at_once_other_streams_wait_for_the_event() {
     let p = pool(&dev, PoolOptions::with_limit(GIB));
     let a = alloc(&p, A, 4096).unwrap();
     let addr = a.device_address();
+    dev.enqueue(A); // a kernel using `a`
     drop(a);
     assert_eq!(p.stats().pending_blocks, 1);
     // Freed without an event: only stream A may reuse it so far.
     assert_eq!(dev.recorded(A), 0);
 
-    // Another stream must not get it while A's work may still use it. Its miss records an event
-    // on A (the block could serve it once A's work is done).
+    // Another stream must not get it while A's work may still use it.
     let b = alloc(&p, B, 4096).unwrap();
     assert_ne!(b.device_address(), addr);
-    assert_eq!(dev.recorded(A), 1);
-    assert_eq!(dev.outstanding(A), 1);
     // The same stream gets it back at once, without waiting.
     let a2 = alloc(&p, A, 4096).unwrap();
     assert_eq!(a2.device_address(), addr);
-    assert_eq!(dev.event_syncs(), 0);
+    assert_eq!((dev.recorded(A), dev.event_syncs()), (0, 0));
     assert_eq!(p.stats().pending_blocks, 0);
 
+    dev.enqueue(A);
     drop(a2);
+    // Trimming records the event on busy stream A; B still cannot have the block.
+    p.trim();
+    assert_eq!(dev.recorded(A), 1);
     let b2 = alloc(&p, B, 4096).unwrap();
     assert_ne!(b2.device_address(), addr);
-    assert_eq!(dev.recorded(A), 2);
     // Once A's work is done, the block is everybody's.
     dev.complete(A);
     let b3 = alloc(&p, B, 4096).unwrap();
     assert_eq!(b3.device_address(), addr);
     assert_eq!(p.stats().pending_blocks, 0);
     drop((b, b2, b3));
+    p.check().unwrap();
+}
+
+#[test]
+fn another_streams_miss_closes_open_blocks_only_when_the_engine_has_no_room() {
+    let dev = SimDevice::new(4 * GIB);
+    let p = pool(
+        &dev,
+        PoolOptions {
+            allow_growth: false,
+            ..PoolOptions::with_limit(16 * MIB)
+        },
+    );
+    let small = alloc(&p, A, MIB).unwrap();
+    let big = alloc(&p, A, 4 * MIB).unwrap();
+    dev.enqueue(A);
+    drop((small, big));
+    // The engine has room for 1 MiB: A's blocks stay open.
+    let b = alloc(&p, B, MIB).unwrap();
+    assert_eq!(dev.recorded(A), 0);
+    drop(b);
+    // Not for 14 MiB: A's batch gets its event (A is busy), and B waits for it rather than fail.
+    let c = alloc(&p, B, 14 * MIB).unwrap();
+    assert_eq!(dev.recorded(A), 1);
+    assert_eq!(dev.event_syncs(), 1);
+    drop(c);
     p.check().unwrap();
 }
 
@@ -241,6 +269,7 @@ fn a_stream_reusing_its_own_blocks_makes_no_driver_call() {
     for _ in 0..1000 {
         let b = alloc(&p, A, 64 << 10).unwrap();
         assert_eq!(b.device_address(), first);
+        dev.enqueue(A);
     }
     assert_eq!(dev.recorded(A), 0, "no event for same-stream reuse");
     assert_eq!(dev.requests().len(), requests);
@@ -248,7 +277,7 @@ fn a_stream_reusing_its_own_blocks_makes_no_driver_call() {
     assert_eq!((s.pending_blocks, s.pending_bytes), (1, 64 << 10));
     assert_eq!(s.bytes_in_buffers(), 0);
     assert!(s.to_string().contains("bytes in buffers:    0\n"), "{s}");
-    // Trimming records the event, and the block goes back once A's work is done.
+    // A is busy: trimming records the event, and the block goes back once A's work is done.
     p.trim();
     assert_eq!(dev.recorded(A), 1);
     assert_eq!(p.stats().pending_blocks, 1);
@@ -259,12 +288,28 @@ fn a_stream_reusing_its_own_blocks_makes_no_driver_call() {
 }
 
 #[test]
+fn an_idle_streams_blocks_go_back_without_an_event() {
+    let dev = SimDevice::new(4 * GIB);
+    let p = pool(&dev, PoolOptions::with_limit(GIB));
+    let a = alloc(&p, A, MIB).unwrap();
+    dev.enqueue(A);
+    drop(a);
+    // The stream's work is done (as after `stream.synchronize()`): trim returns the memory at once.
+    dev.complete(A);
+    assert_eq!(p.trim(), 2 * MIB);
+    assert_eq!(dev.recorded(A), 0);
+    assert_eq!((p.stats().pending_blocks, dev.bytes_live()), (0, 0));
+    p.check().unwrap();
+}
+
+#[test]
 fn open_blocks_are_closed_by_one_event_per_batch() {
     let dev = SimDevice::new(4 * GIB);
     let p = pool(&dev, PoolOptions::with_limit(GIB));
     let n = OPEN_LIMIT + 1;
     let held: Vec<_> = (0..n).map(|_| alloc(&p, A, 4096).unwrap()).collect();
     let addrs: Vec<u64> = held.iter().map(|b| b.device_address()).collect();
+    dev.enqueue(A); // a kernel using them all
     drop(held);
     // The free that went over the limit recorded one event for all of them.
     assert_eq!(dev.recorded(A), 1);
@@ -288,6 +333,7 @@ fn a_miss_starts_the_streams_open_blocks_back_to_the_engine() {
     let p = pool(&dev, PoolOptions::with_limit(GIB));
     let big = alloc(&p, A, MIB).unwrap();
     let addr = big.device_address();
+    dev.enqueue(A);
     drop(big);
     // Too big to hand out whole for 1 KiB: a miss, which records A's event.
     let small = alloc(&p, A, 1024).unwrap();
@@ -310,6 +356,7 @@ fn same_stream_reuse_does_not_hand_out_a_much_larger_block() {
     let p = pool(&dev, PoolOptions::with_limit(GIB));
     let big = alloc(&p, A, MIB).unwrap();
     let addr = big.device_address();
+    dev.enqueue(A);
     drop(big);
     let small = alloc(&p, A, 1024).unwrap();
     assert_ne!(small.device_address(), addr);
@@ -329,6 +376,7 @@ fn oom_waits_for_pending_frees_then_succeeds() {
     );
     let a = alloc(&p, A, 12 * MIB).unwrap();
     let addr = a.device_address();
+    dev.enqueue(A);
     drop(a);
     // Stream B cannot take A's pending block, and nothing else fits: the pool waits for A's event.
     let b = alloc(&p, B, 12 * MIB).unwrap();
@@ -381,31 +429,48 @@ fn driver_refusal_is_in_the_report() {
 }
 
 #[test]
-fn failed_event_record_is_deferred_and_the_block_waits_for_a_device_sync() {
+fn failed_event_record_is_deferred_and_the_block_waits_to_be_ordered() {
     let dev = SimDevice::new(GIB);
     let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let pending = || p.stats().pending_blocks;
     dev.set_fail_event_record(true);
     let a = alloc(&p, A, MIB).unwrap();
+    dev.enqueue(A);
     drop(a);
-    // Trimming records the free's event, which fails: deferred, no panic.
+    // Trimming records the free's event, which fails: deferred, no panic, the block stays.
+    p.trim();
+    assert_eq!(pending(), 1);
+    // A still busy and records still failing: only a device-wide sync can release it.
+    p.synchronize();
+    assert_eq!((dev.device_syncs(), pending()), (1, 0));
+
+    // An unordered block of an idle stream goes back at the next close, without an event.
+    let b = alloc(&p, A, MIB).unwrap();
+    dev.enqueue(A);
+    drop(b);
+    p.trim();
+    assert_eq!(pending(), 1);
+    dev.complete(A);
+    p.trim();
+    assert_eq!((dev.device_syncs(), pending()), (1, 0));
+
+    // An unordered block of a busy stream joins the next event recorded there.
+    let c = alloc(&p, A, MIB).unwrap();
+    dev.enqueue(A);
+    drop(c);
     p.trim();
     dev.set_fail_event_record(false);
-    let s = p.stats();
-    assert_eq!(s.pending_blocks, 1);
-    dev.complete_all();
     p.trim();
-    assert_eq!(
-        p.stats().pending_blocks,
-        1,
-        "no event: only a device sync releases it"
-    );
-    p.synchronize();
-    assert_eq!(dev.device_syncs(), 1);
-    assert_eq!(p.stats().pending_blocks, 0);
+    assert_eq!((dev.recorded(A), pending()), (1, 1));
+    dev.complete(A);
+    p.trim();
+    assert_eq!((dev.device_syncs(), pending()), (1, 0));
+
     let errs = p.take_errors();
-    assert_eq!(errs.len(), 1);
-    assert!(errs[0].to_string().contains("cuEventRecord"), "{}", errs[0]);
+    assert_eq!(errs.len(), 4, "{errs:?}");
+    assert!(errs.iter().all(|e| e.to_string().contains("cuEventRecord")));
     p.check_err().unwrap();
+    p.check().unwrap();
 }
 
 #[test]
@@ -503,6 +568,19 @@ fn random_ops_never_hand_a_busy_block_to_another_stream() {
     let mut live: Vec<DeviceBuffer<u8, SimBackend>> = Vec::new();
     let mut rng = 0x2545_f491_4f6c_dd1du64;
     let (mut ooms, mut same_stream_reuses) = (0, 0);
+    let mut failing = false;
+    let free = |b: DeviceBuffer<u8, SimBackend>, freed: &mut Vec<(u64, u64, SimStream, u64)>| {
+        let (lo, hi, hs) = (
+            b.device_address(),
+            b.device_address() + b.block_size() as u64,
+            *b.home_stream(),
+        );
+        // A kernel still using the buffer when it is freed: the block may go to another stream
+        // only once that work is done.
+        let work = dev.enqueue(hs);
+        drop(b);
+        freed.push((lo, hi, hs, work));
+    };
     for _ in 0..20_000 {
         rng ^= rng << 13;
         rng ^= rng >> 7;
@@ -546,32 +624,44 @@ fn random_ops_never_hand_a_busy_block_to_another_stream() {
             }
             5..=7 if !live.is_empty() => {
                 let b = live.swap_remove((rng >> 24) as usize % live.len());
-                let (lo, hi, hs) = (
-                    b.device_address(),
-                    b.device_address() + b.block_size() as u64,
-                    *b.home_stream(),
-                );
-                // A kernel still using the buffer when it is freed: the block may go to another
-                // stream only once that work is done.
-                let work = dev.enqueue(hs);
-                drop(b);
-                freed.push((lo, hi, hs, work));
+                free(b, &mut freed);
             }
-            8 => dev.complete(s),
+            // Part of a stream's work completes (its events complete in order).
+            8 => {
+                let (done, queued) = (dev.completed(s), dev.queued(s));
+                dev.complete_to(s, done + (rng >> 40) % (queued - done + 1));
+            }
+            _ if rng & (1 << 62) != 0 => {
+                // Recording events fails now and then (the blocks then wait to be ordered).
+                failing = !failing;
+                dev.set_fail_event_record(failing);
+            }
             _ => {
                 p.trim();
             }
         }
         freed.retain(|&(_, _, fs, seq)| dev.completed(fs) < seq);
         if live.len() > 40 {
-            live.clear();
+            for b in live.drain(..) {
+                free(b, &mut freed);
+            }
         }
     }
     assert!(
-        ooms > 0 && same_stream_reuses > 0,
-        "ooms {ooms}, same-stream reuses {same_stream_reuses}"
+        ooms > 0 && same_stream_reuses > 0 && dev.device_syncs() > 0,
+        "ooms {ooms}, same-stream reuses {same_stream_reuses}, device syncs {}",
+        dev.device_syncs()
+    );
+    let errors = p.take_errors();
+    assert!(
+        !errors.is_empty()
+            && errors
+                .iter()
+                .all(|e| e.to_string().contains("cuEventRecord")),
+        "{errors:?}"
     );
     drop(live);
+    dev.set_fail_event_record(false);
     p.synchronize();
     assert_eq!(p.stats().allocator.bytes_in_use, 0);
     p.check().unwrap();

@@ -80,6 +80,9 @@ pub trait DeviceBackend: Send + 'static {
     /// A value identifying `stream`: equal for handles of the same stream, distinct otherwise.
     fn stream_id(stream: &Self::Stream) -> u64;
 
+    /// Whether all the work queued on `stream` so far has finished (no waiting).
+    fn stream_done(&mut self, stream: &Self::Stream) -> Result<bool, BackendError>;
+
     /// Records an event after the work currently queued on `stream`.
     fn record_event(&mut self, stream: &Self::Stream) -> Result<Self::Event, BackendError>;
 

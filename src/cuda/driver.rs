@@ -81,6 +81,9 @@ impl CudaBackend {
 
 /// Makes `ctx` current on this thread. Unlike `CudaContext::bind_to_thread`, this leaves the
 /// context's recorded error (from cudarc's `Drop`s) for its owner to see.
+/// `CU_STREAM_PER_THREAD`: the handle of the calling thread's per-thread default stream.
+const PER_THREAD_STREAM: usize = 0x2;
+
 fn bind(ctx: &CudaContext) -> Result<(), BackendError> {
     if result::ctx::get_current().map_err(err("cuCtxGetCurrent"))? != Some(ctx.cu_ctx()) {
         // SAFETY: `ctx` holds the context alive.
@@ -129,13 +132,31 @@ impl DeviceBackend for CudaBackend {
     }
 
     fn check_stream(&self, stream: &Arc<CudaStream>) -> Result<(), BackendError> {
-        if **stream.context() == *self.ctx {
-            Ok(())
-        } else {
+        if **stream.context() != *self.ctx {
             Err(BackendError::new(
                 "DevicePool::alloc",
                 "the stream belongs to another context than the pool's",
             ))
+        } else if stream.cu_stream() as usize == PER_THREAD_STREAM {
+            // The handle means "the calling thread's stream": the pool could not tell two threads'
+            // streams apart, nor record a free's event on the right one from another thread.
+            Err(BackendError::new(
+                "DevicePool::alloc",
+                "per-thread default streams (CudaContext::per_thread_stream) are not supported: \
+                 use CudaContext::new_stream or default_stream",
+            ))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn stream_done(&mut self, stream: &Arc<CudaStream>) -> Result<bool, BackendError> {
+        bind(stream.context())?;
+        // SAFETY: the stream is alive (the caller holds a handle) and belongs to this context.
+        match unsafe { sys::cuStreamQuery(stream.cu_stream()) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(err("cuStreamQuery")(DriverError(e))),
         }
     }
 

@@ -144,7 +144,9 @@ pub struct DeviceStats {
 impl DeviceStats {
     /// Bytes held by live buffers: in use in the engine minus the pending blocks.
     pub fn bytes_in_buffers(&self) -> usize {
-        self.allocator.bytes_in_use - self.pending_bytes
+        self.allocator
+            .bytes_in_use
+            .saturating_sub(self.pending_bytes)
     }
 }
 

@@ -23,23 +23,27 @@
 //! 1. On drop, the block goes to a *pending list*, tagged with its stream A and no event (*open*).
 //!    Dropping a buffer makes no driver call.
 //! 2. An allocation on the same stream A may take a fitting pending block of A immediately: its work
-//!    is queued before anything the new owner queues on A, so stream order protects it. A stream
-//!    that allocates and frees the same sizes in a loop is served with no driver call at all.
-//! 3. An event is recorded on A, once for all of A's open blocks (*closing* them), when A misses
-//!    (none of its pending blocks fits a request), when another stream misses and one of A's open
-//!    blocks is large enough for it, when A has more than [`OPEN_LIMIT`] open blocks, and on
-//!    [`trim`](DevicePool::trim), [`synchronize`](DevicePool::synchronize) and out-of-memory. An
-//!    event recorded later than the free covers all the work queued before it, so this only delays
-//!    the release.
+//!    is queued before anything the new owner queues on A, so stream order protects it.
+//! 3. A's open blocks are *closed* together: if A is idle (all its queued work has finished), they
+//!    go straight back to the engine; otherwise one event is recorded on A for all of them. This
+//!    happens when A misses (none of its pending blocks fits a request), when another stream misses,
+//!    the engine has no free chunk for it and one of A's open blocks is large enough, when A has
+//!    more than [`OPEN_LIMIT`] open blocks, and on [`trim`](DevicePool::trim),
+//!    [`synchronize`](DevicePool::synchronize), out-of-memory and the pool's drop. An event recorded
+//!    later than the free covers all the work queued before it, so this only delays the release.
 //! 4. A closed block goes back to the engine, for every stream, once its event has completed.
 //!    Pending events are polled on every allocation and free (one query per stream and event: a
 //!    stream's events complete in order).
 //! 5. Before reporting out-of-memory, the pool waits for every pending block's work, returns them
 //!    all, gives fully free regions back to the driver ([`DevicePool::trim`]), and tries again.
 //!
-//! So memory freed on a stream that stops allocating stays its own until one of the events in 3
-//! (at most [`OPEN_LIMIT`] blocks per stream, and never past the pool's limit: out-of-memory waits
-//! for them).
+//! A stream that allocates and frees the same sizes in a loop is served with no driver call while
+//! no closed block is pending. Memory freed on a stream that stops allocating stays its own until
+//! one of the events in 3 (at most [`OPEN_LIMIT`] blocks per stream, and never past the pool's
+//! limit: out-of-memory waits for them); pending blocks keep their stream handle alive.
+//!
+//! Per-thread default streams (`CudaContext::per_thread_stream`) are refused: their one handle
+//! names a different stream on every thread.
 //!
 //! Uses on other streams are ordered when they go through cudarc's `DevicePtr::device_ptr` /
 //! `DevicePtrMut::device_ptr_mut` (as `memcpy_*` do): the other stream first waits for the home
@@ -53,9 +57,10 @@
 //! [`DevicePool::for_all_devices`] return [`PoolError::DriverNotFound`] ([`driver_available`] tells
 //! beforehand). Out-of-memory is [`PoolError::OutOfMemory`] with a [`DeviceOom`]: requested bytes,
 //! in use, reserved, limit, device total and free, the largest free block and the engine's per-bin
-//! summary. Errors in `Drop` (a failed event record, a failed `cuMemFree`) are recorded and returned
-//! later by [`DevicePool::take_errors`] / [`DevicePool::check_err`]; a block whose free could not be
-//! ordered by an event waits for a device-wide synchronisation instead.
+//! summary. Driver errors where none can be returned (a failed event record or query while
+//! ordering frees, a failed `cuMemFree`) are recorded and returned later by
+//! [`DevicePool::take_errors`] / [`DevicePool::check_err`]; a block whose free could not be ordered
+//! by an event waits for the next close of its stream or a device-wide synchronisation instead.
 //!
 //! # Testing without a GPU
 //!

@@ -114,13 +114,15 @@ pub const OPEN_LIMIT: usize = 32;
 
 /// How a pending block's free is ordered after the work queued before it on its stream.
 enum Order<E> {
-    /// No event yet: only its own stream may take it (stream order protects it). An event is
-    /// recorded for all of a stream's open blocks at once when the stream misses, piles up
-    /// [`OPEN_LIMIT`] of them, or the pool trims, synchronises or runs out of memory.
+    /// No event yet: only its own stream may take it (stream order protects it). The stream's
+    /// open blocks are closed together (see [`State::close`]) when the stream misses, when another
+    /// stream misses and the engine has no free chunk for it, when the stream has more than
+    /// [`OPEN_LIMIT`] of them, and on trim, synchronisation, out-of-memory and pool drop.
     Open,
     /// An event recorded on its stream after the free, shared by the blocks closed together.
     Event(Arc<E>),
-    /// Recording the event failed: only a device-wide synchronisation releases it.
+    /// Recording the event failed: the next close of its stream (or a device-wide
+    /// synchronisation) orders it.
     Unordered,
 }
 
@@ -129,8 +131,8 @@ struct Pending<S, E> {
     ptr: usize,
     size: usize,
     stream_id: u64,
-    /// Kept alive while the block is pending, so that the stream's id cannot be reused by a new
-    /// stream meanwhile, and an event can still be recorded on it.
+    /// Kept alive while the block is pending, so that an event can still be recorded on it, and the
+    /// id of a stream the pool's handles own cannot be reused by a new stream meanwhile.
     stream: S,
     order: Order<E>,
 }
@@ -209,16 +211,33 @@ impl<B: DeviceBackend> State<B> {
             .count()
     }
 
-    /// Records one event on stream `sid` for all its open blocks. Returns whether it had any.
+    /// Orders stream `sid`'s open (and unordered) blocks. If the stream is idle, all the work
+    /// queued before their frees is done and every pending block of the stream goes back to the
+    /// engine; otherwise one event is recorded for all of them. Returns whether it had any.
     fn close(&mut self, sid: u64) -> bool {
         let Some(stream) = self
             .pending
             .iter()
-            .find(|p| p.stream_id == sid && matches!(p.order, Order::Open))
+            .find(|p| p.stream_id == sid && !matches!(p.order, Order::Event(_)))
             .map(|p| p.stream.clone())
         else {
             return false;
         };
+        match self.backend().stream_done(&stream) {
+            Ok(true) => {
+                let mut i = 0;
+                while i < self.pending.len() {
+                    if self.pending[i].stream_id == sid {
+                        self.release_pending(i);
+                    } else {
+                        i += 1;
+                    }
+                }
+                return true;
+            }
+            Ok(false) => {}
+            Err(e) => self.defer(PoolError::Backend(e)),
+        }
         let order = match self.backend().record_event(&stream) {
             Ok(e) => Some(Arc::new(e)),
             Err(e) => {
@@ -227,7 +246,8 @@ impl<B: DeviceBackend> State<B> {
             }
         };
         for p in self.pending.iter_mut() {
-            if p.stream_id == sid && matches!(p.order, Order::Open) {
+            // An event recorded now also covers the unordered blocks freed before it.
+            if p.stream_id == sid && !matches!(p.order, Order::Event(_)) {
                 p.order = match &order {
                     Some(e) => Order::Event(e.clone()),
                     None => Order::Unordered,
@@ -237,14 +257,15 @@ impl<B: DeviceBackend> State<B> {
         true
     }
 
-    /// Closes the open blocks of every stream.
+    /// Closes the open and unordered blocks of every stream.
     fn close_all(&mut self) {
-        while let Some(sid) = self
-            .pending
-            .iter()
-            .find(|p| matches!(p.order, Order::Open))
-            .map(|p| p.stream_id)
-        {
+        let mut sids: Vec<u64> = Vec::new();
+        for p in self.pending.iter() {
+            if !matches!(p.order, Order::Event(_)) && !sids.contains(&p.stream_id) {
+                sids.push(p.stream_id);
+            }
+        }
+        for sid in sids {
             self.close(sid);
         }
     }
@@ -321,15 +342,21 @@ impl<B: DeviceBackend> State<B> {
                 Err(e) => self.defer(PoolError::Backend(e)),
             }
         }
+        // Blocks closed together share an event: wait for it once.
+        let mut synced = 0usize;
         let mut i = 0;
         while i < self.pending.len() {
             let ok = device_synced
                 || match &self.pending[i].order {
                     Order::Open | Order::Unordered => false,
+                    Order::Event(ev) if Arc::as_ptr(ev) as usize == synced => true,
                     Order::Event(ev) => {
                         let ev = ev.clone();
                         match self.backend().event_sync(&ev) {
-                            Ok(()) => true,
+                            Ok(()) => {
+                                synced = Arc::as_ptr(&ev) as usize;
+                                true
+                            }
                             Err(e) => {
                                 self.defer(PoolError::Backend(e));
                                 match self.backend().synchronize() {
@@ -439,21 +466,24 @@ impl<B: DeviceBackend> Shared<B> {
         if let Some((p, size)) = st.take_pending(sid, bytes, align) {
             return Ok((p as u64, size));
         }
-        // A miss: this stream's open blocks do not fit, so start their way back to the engine, and
-        // that of any other stream's open blocks that could serve the request once its work is done.
+        // A miss: this stream's open blocks do not fit, so start their way back to the engine. If
+        // the engine has no free chunk for the request either, do the same for other streams'
+        // open blocks that could serve it, rather than grow.
         let mut closed = st.close(sid);
-        let mut others: Vec<u64> = Vec::new();
-        for p in st.pending.iter() {
-            if p.stream_id != sid
-                && p.size >= bytes
-                && matches!(p.order, Order::Open)
-                && !others.contains(&p.stream_id)
-            {
-                others.push(p.stream_id);
+        if st.bfc.stats().largest_free_block < bytes {
+            let mut others: Vec<u64> = Vec::new();
+            for p in st.pending.iter() {
+                if p.stream_id != sid
+                    && p.size >= bytes
+                    && !matches!(p.order, Order::Event(_))
+                    && !others.contains(&p.stream_id)
+                {
+                    others.push(p.stream_id);
+                }
             }
-        }
-        for other in others {
-            closed |= st.close(other);
+            for other in others {
+                closed |= st.close(other);
+            }
         }
         if closed {
             st.poll_pending();
@@ -617,9 +647,10 @@ impl<B: DeviceBackend> DevicePool<B> {
         ))
     }
 
-    /// Records an event for every open pending block, returns to the engine every pending block
-    /// whose work has finished (no waiting), then returns every fully free region to the driver
-    /// (TensorFlow's and PyTorch's `empty_cache`). Returns the bytes given back.
+    /// Returns to the engine every pending block whose work has finished, without waiting (the
+    /// blocks of idle streams, and those whose event has completed; an event is recorded for the
+    /// others), then returns every fully free region to the driver (TensorFlow's and PyTorch's
+    /// `empty_cache`). Returns the bytes given back. [`synchronize`](Self::synchronize) waits.
     pub fn trim(&self) -> usize {
         let mut st = self.shared.lock();
         st.close_all();

@@ -165,6 +165,13 @@ impl SimDevice {
         s.done = s.queued;
     }
 
+    /// Completes the work queued on `stream` up to item `n` (at most all of it).
+    pub fn complete_to(&self, stream: SimStream, n: u64) {
+        let mut st = self.lock();
+        let s = st.stream(stream.0);
+        s.done = s.done.max(n.min(s.queued));
+    }
+
     /// Completes all work on every stream.
     pub fn complete_all(&self) {
         for s in self.lock().streams.iter_mut() {
@@ -300,6 +307,12 @@ impl DeviceBackend for SimBackend {
 
     fn stream_id(stream: &SimStream) -> u64 {
         stream.0
+    }
+
+    fn stream_done(&mut self, stream: &SimStream) -> Result<bool, BackendError> {
+        let mut st = self.device.lock();
+        let s = st.stream(stream.0);
+        Ok(s.done == s.queued)
     }
 
     fn record_event(&mut self, stream: &SimStream) -> Result<SimEvent, BackendError> {
