@@ -304,3 +304,51 @@ fn trim_after_the_stream_is_idle_returns_the_memory() {
     assert_eq!((st.pending_blocks, st.allocator.bytes_reserved), (0, 0));
     pool.check_err().unwrap();
 }
+
+#[test]
+fn a_copy_on_another_stream_into_a_freed_buffer_finishes_before_its_memory_is_reused() {
+    let n = 4 * MIB; // u32 values: 16 MiB per buffer
+                     // One region with room for two such buffers: the third must wait for a freed one.
+    let Some(pool) = pool(PoolOptions {
+        allow_growth: false,
+        ..PoolOptions::with_limit(32 * MIB)
+    }) else {
+        return;
+    };
+    let ctx = pool.context();
+    let Some(f) = spin_fill_kernel(&ctx) else {
+        return;
+    };
+    let (home, x, b) = (
+        ctx.new_stream().unwrap(),
+        ctx.new_stream().unwrap(),
+        ctx.new_stream().unwrap(),
+    );
+    // SAFETY: written by the kernel before any read.
+    let src: DeviceBuffer<u32> = unsafe { pool.alloc(&x, n) }.unwrap();
+    // SAFETY: written by the copy before any read.
+    let mut dst: DeviceBuffer<u32> = unsafe { pool.alloc(&home, n) }.unwrap();
+    let dst_addr = dst.device_address();
+    // Stream X is busy for about half a second, then copies into `dst` (a use on a stream other
+    // than dst's home stream), and `dst` is freed while that copy still waits.
+    launch_spin_fill(&x, &f, &src, 0xdead_beef, 1_000_000_000);
+    x.memcpy_dtod(&src, &mut dst).unwrap();
+    drop(dst);
+    // Stream B needs 16 MiB: only dst's block can serve it, once X's copy is done.
+    let host = vec![0x1234_5678u32; n];
+    let new = pool.clone_htod(&b, &host).unwrap();
+    assert_eq!(
+        new.device_address(),
+        dst_addr,
+        "the test must reuse dst's block"
+    );
+    ctx.synchronize().unwrap();
+    let back = b.clone_dtoh(&new).unwrap();
+    assert!(
+        back.iter().all(|&v| v == 0x1234_5678),
+        "stream X's copy overwrote the block's next owner"
+    );
+    drop((src, new));
+    pool.synchronize();
+    pool.check_err().unwrap();
+}

@@ -454,7 +454,8 @@ fn failed_event_record_is_deferred_and_the_block_waits_to_be_ordered() {
     p.trim();
     assert_eq!((dev.device_syncs(), pending()), (1, 0));
 
-    // An unordered block of a busy stream joins the next event recorded there.
+    // An unordered block of a busy stream joins the next event recorded there, and goes back
+    // when that event completes, even though A has more work queued after it.
     let c = alloc(&p, A, MIB).unwrap();
     dev.enqueue(A);
     drop(c);
@@ -462,7 +463,9 @@ fn failed_event_record_is_deferred_and_the_block_waits_to_be_ordered() {
     dev.set_fail_event_record(false);
     p.trim();
     assert_eq!((dev.recorded(A), pending()), (1, 1));
-    dev.complete(A);
+    let event = dev.queued(A);
+    dev.enqueue(A);
+    dev.complete_to(A, event);
     p.trim();
     assert_eq!((dev.device_syncs(), pending()), (1, 0));
 
@@ -470,6 +473,25 @@ fn failed_event_record_is_deferred_and_the_block_waits_to_be_ordered() {
     assert_eq!(errs.len(), 4, "{errs:?}");
     assert!(errs.iter().all(|e| e.to_string().contains("cuEventRecord")));
     p.check_err().unwrap();
+    p.check().unwrap();
+}
+
+#[test]
+fn a_failed_stream_query_counts_as_busy() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let a = alloc(&p, A, MIB).unwrap();
+    drop(a); // no work queued: A is idle, but the pool cannot know that
+    dev.set_fail_stream_query(true);
+    p.trim();
+    // Not released on a failed query: an event was recorded instead.
+    assert_eq!((p.stats().pending_blocks, dev.recorded(A)), (1, 1));
+    dev.complete(A);
+    p.trim();
+    assert_eq!(p.stats().pending_blocks, 0);
+    let errs = p.take_errors();
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert!(errs[0].to_string().contains("cuStreamQuery"), "{}", errs[0]);
     p.check().unwrap();
 }
 

@@ -21,11 +21,13 @@
 //! it. The pool therefore does not return the block to the engine at once:
 //!
 //! 1. On drop, the block goes to a *pending list*, tagged with its stream A and no event (*open*).
-//!    Dropping a buffer makes no driver call.
+//!    The drop itself records no event (it makes driver calls only to order uses on other streams,
+//!    to poll pending events, or to close A's blocks, see 3).
 //! 2. An allocation on the same stream A may take a fitting pending block of A immediately: its work
 //!    is queued before anything the new owner queues on A, so stream order protects it.
-//! 3. A's open blocks are *closed* together: if A is idle (all its queued work has finished), they
-//!    go straight back to the engine; otherwise one event is recorded on A for all of them. This
+//! 3. A's open blocks (and those whose event could not be recorded) are *closed* together: if A is
+//!    idle (all its queued work has finished), every pending block of A goes straight back to the
+//!    engine; otherwise one event is recorded on A for all of them. This
 //!    happens when A misses (none of its pending blocks fits a request), when another stream misses,
 //!    the engine has no free chunk for it and one of A's open blocks is large enough, when A has
 //!    more than [`OPEN_LIMIT`] open blocks, and on [`trim`](DevicePool::trim),
@@ -40,7 +42,9 @@
 //! A stream that allocates and frees the same sizes in a loop is served with no driver call while
 //! no closed block is pending. Memory freed on a stream that stops allocating stays its own until
 //! one of the events in 3 (at most [`OPEN_LIMIT`] blocks per stream, and never past the pool's
-//! limit: out-of-memory waits for them); pending blocks keep their stream handle alive.
+//! limit: out-of-memory waits for them). Pending blocks keep their stream handle alive; a stream that
+//! cudarc does not own (`CudaContext::wrap_borrowed_stream`) must outlive them: call
+//! [`DevicePool::synchronize`] before destroying it.
 //!
 //! Per-thread default streams (`CudaContext::per_thread_stream`) are refused: their one handle
 //! names a different stream on every thread.

@@ -109,15 +109,17 @@ pub fn min_system_memory(available: usize, cc_major: i32) -> usize {
 }
 
 /// Blocks of one stream that wait, freed without an event, for that stream to reuse them; the free
-/// of one more records one event for all of them (see the [module documentation](super)).
+/// of one more closes them all: they go back to the engine if the stream is idle, otherwise one
+/// event is recorded for all of them (see the [module documentation](super)).
 pub const OPEN_LIMIT: usize = 32;
 
 /// How a pending block's free is ordered after the work queued before it on its stream.
 enum Order<E> {
     /// No event yet: only its own stream may take it (stream order protects it). The stream's
-    /// open blocks are closed together (see [`State::close`]) when the stream misses, when another
-    /// stream misses and the engine has no free chunk for it, when the stream has more than
-    /// [`OPEN_LIMIT`] of them, and on trim, synchronisation, out-of-memory and pool drop.
+    /// open and unordered blocks are closed together (see [`State::close`]) when the stream
+    /// misses, when another stream misses and the engine has no free chunk for it, when the stream
+    /// has more than [`OPEN_LIMIT`] of them, and on trim, synchronisation, out-of-memory and pool
+    /// drop.
     Open,
     /// An event recorded on its stream after the free, shared by the blocks closed together.
     Event(Arc<E>),
@@ -203,11 +205,11 @@ impl<B: DeviceBackend> State<B> {
         }
     }
 
-    /// How many open blocks stream `sid` has.
+    /// How many open or unordered blocks stream `sid` has.
     fn open_blocks(&self, sid: u64) -> usize {
         self.pending
             .iter()
-            .filter(|p| p.stream_id == sid && matches!(p.order, Order::Open))
+            .filter(|p| p.stream_id == sid && !matches!(p.order, Order::Event(_)))
             .count()
     }
 
@@ -618,7 +620,9 @@ impl<B: DeviceBackend> DevicePool<B> {
     /// A buffer of `len` values of `T` for use on `stream`, with unspecified contents.
     ///
     /// Tries, in order: a block freed earlier on the same `stream` (no waiting), the pool's free
-    /// chunks, growth from the driver; then waits for all pending frees, trims, and tries again.
+    /// chunks (after closing `stream`'s pending blocks, and other streams' that could serve the
+    /// request if no free chunk can), growth from the driver; then waits for all pending frees,
+    /// trims, and tries again.
     ///
     /// # Safety
     ///

@@ -48,6 +48,7 @@ struct SimState {
     event_syncs: usize,
     device_syncs: usize,
     fail_event_record: bool,
+    fail_stream_query: bool,
 }
 
 /// Work on one simulated stream. Items are numbered from 1 in queue order and complete in order.
@@ -114,6 +115,7 @@ impl SimDevice {
                 event_syncs: 0,
                 device_syncs: 0,
                 fail_event_record: false,
+                fail_stream_query: false,
             })),
         }
     }
@@ -156,6 +158,11 @@ impl SimDevice {
         let s = st.stream(stream.0);
         s.queued += 1;
         s.queued
+    }
+
+    /// Makes stream queries fail (the pool must then treat the stream as busy).
+    pub fn set_fail_stream_query(&self, fail: bool) {
+        self.lock().fail_stream_query = fail;
     }
 
     /// Completes all work queued on `stream` so far.
@@ -311,6 +318,12 @@ impl DeviceBackend for SimBackend {
 
     fn stream_done(&mut self, stream: &SimStream) -> Result<bool, BackendError> {
         let mut st = self.device.lock();
+        if st.fail_stream_query {
+            return Err(BackendError::new(
+                "cuStreamQuery",
+                "CUDA_ERROR_LAUNCH_FAILED (simulated)",
+            ));
+        }
         let s = st.stream(stream.0);
         Ok(s.done == s.queued)
     }
