@@ -496,6 +496,47 @@ fn a_failed_stream_query_counts_as_busy() {
 }
 
 #[test]
+fn a_free_whose_uses_cannot_be_ordered_waits_for_the_device_or_is_never_reused() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    dev.set_fail_finish_uses(true);
+    let a = alloc(&p, A, MIB).unwrap();
+    let addr = a.device_address();
+    dev.enqueue(A);
+    drop(a);
+    // The uses could not be ordered: the pool waited for the device, so the block is safe to reuse.
+    assert_eq!((dev.device_syncs(), p.stats().pending_blocks), (1, 1));
+
+    // Neither ordered nor waited for: the block is never handed out again.
+    dev.set_fail_synchronize(true);
+    let b = alloc(&p, A, MIB).unwrap();
+    assert_eq!(b.device_address(), addr);
+    dev.enqueue(A);
+    drop(b);
+    let s = p.stats();
+    assert_eq!((s.pending_blocks, s.stranded_bytes), (0, MIB));
+    assert_eq!(s.bytes_in_buffers(), 0);
+    assert!(
+        s.to_string().contains("stranded:            1048576 B"),
+        "{s}"
+    );
+    dev.set_fail_finish_uses(false);
+    dev.set_fail_synchronize(false);
+    dev.complete_all();
+    for _ in 0..8 {
+        let c = alloc(&p, A, MIB).unwrap();
+        let d = alloc(&p, B, MIB).unwrap();
+        assert!(c.device_address() != addr && d.device_address() != addr);
+    }
+    p.synchronize();
+    assert_eq!(p.stats().allocator.bytes_in_use, MIB);
+    let errs: Vec<String> = p.take_errors().iter().map(|e| e.to_string()).collect();
+    assert_eq!(errs.len(), 3, "{errs:?}");
+    assert!(errs[0].contains("cuStreamWaitEvent") && errs[2].contains("cuCtxSynchronize"));
+    p.check().unwrap();
+}
+
+#[test]
 fn dropping_the_pool_returns_everything_to_the_driver() {
     let dev = SimDevice::new(GIB);
     {

@@ -111,8 +111,10 @@ pub trait DeviceBackend: Send + 'static {
         bytes: usize,
     ) -> Result<(), BackendError>;
 
-    /// Called when a buffer is freed, before the pool records its free event on `stream` (the
-    /// buffer's own stream): makes `stream` wait for the buffer's uses on other streams that `uses`
-    /// recorded.
-    fn finish_uses(stream: &Self::Stream, uses: &Self::Uses) -> Result<(), BackendError>;
+    /// Called when a buffer is freed, before the pool orders the free on `stream` (the buffer's own
+    /// stream): makes `stream` wait for the buffer's uses on other streams that `uses` recorded. If
+    /// it fails, the pool waits for the whole device instead (and if that fails too, never reuses
+    /// the block).
+    fn finish_uses(&mut self, stream: &Self::Stream, uses: &Self::Uses)
+        -> Result<(), BackendError>;
 }

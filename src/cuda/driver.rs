@@ -214,7 +214,11 @@ impl DeviceBackend for CudaBackend {
             .map_err(err("cuMemsetD8Async"))
     }
 
-    fn finish_uses(stream: &Arc<CudaStream>, uses: &CudaUses) -> Result<(), BackendError> {
+    fn finish_uses(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        uses: &CudaUses,
+    ) -> Result<(), BackendError> {
         if uses.foreign.load(Ordering::Acquire) {
             if let Some(after) = uses.after.get() {
                 bind(stream.context())?;

@@ -135,6 +135,12 @@ pub struct DeviceStats {
     pub pending_blocks: usize,
     /// Their total size.
     pub pending_bytes: usize,
+    /// Bytes of blocks never reused because the driver could neither order their free after
+    /// their uses on other streams nor wait for the device (see [`DevicePool::take_errors`]).
+    /// They stay in use, and their regions are not returned to the driver.
+    ///
+    /// [`DevicePool::take_errors`]: super::DevicePool::take_errors
+    pub stranded_bytes: usize,
     /// Device memory free according to the driver (0 if the query failed).
     pub device_free: usize,
     /// Device memory in total (0 if the query failed).
@@ -142,11 +148,11 @@ pub struct DeviceStats {
 }
 
 impl DeviceStats {
-    /// Bytes held by live buffers: in use in the engine minus the pending blocks.
+    /// Bytes held by live buffers: in use in the engine minus the pending and stranded blocks.
     pub fn bytes_in_buffers(&self) -> usize {
         self.allocator
             .bytes_in_use
-            .saturating_sub(self.pending_bytes)
+            .saturating_sub(self.pending_bytes + self.stranded_bytes)
     }
 }
 
@@ -160,6 +166,9 @@ impl fmt::Display for DeviceStats {
             self.pending_blocks, self.pending_bytes
         )?;
         writeln!(f, "bytes in buffers:    {}", self.bytes_in_buffers())?;
+        if self.stranded_bytes != 0 {
+            writeln!(f, "stranded:            {} B", self.stranded_bytes)?;
+        }
         write!(
             f,
             "device memory:       {} B free of {} B",

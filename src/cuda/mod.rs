@@ -64,7 +64,9 @@
 //! summary. Driver errors where none can be returned (a failed event record or query while
 //! ordering frees, a failed `cuMemFree`) are recorded and returned later by
 //! [`DevicePool::take_errors`] / [`DevicePool::check_err`]; a block whose free could not be ordered
-//! by an event waits for the next close of its stream or a device-wide synchronisation instead.
+//! by an event waits for the next close of its stream or a device-wide synchronisation instead. A
+//! free whose uses on other streams could not be ordered waits for the whole device, and if even
+//! that fails, its block is never handed out again ([`DeviceStats::stranded_bytes`]).
 //!
 //! # Testing without a GPU
 //!

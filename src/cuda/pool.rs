@@ -147,6 +147,9 @@ pub(crate) struct State<B: DeviceBackend> {
     /// with an event.
     pending: VecDeque<Pending<B::Stream, B::Event>>,
     pending_bytes: usize,
+    /// Blocks freed while the driver could neither order nor wait for their uses: kept in use in
+    /// the engine forever.
+    stranded_bytes: usize,
     /// Scratch for `poll_pending`: per stream seen, whether its last queried event is done, and
     /// that event's address (blocks closed together share it: one query for all).
     polled: Vec<(u64, bool, usize)>,
@@ -513,11 +516,18 @@ impl<B: DeviceBackend> Shared<B> {
 
     /// Frees the block at `ptr` (of `size` bytes) used on `stream`. Never fails; errors are deferred.
     pub(crate) fn free_block(&self, ptr: u64, size: usize, stream: &B::Stream, uses: &B::Uses) {
-        let ordered = B::finish_uses(stream, uses);
         let sid = B::stream_id(stream);
         let mut st = self.lock();
-        if let Err(e) = ordered {
+        if let Err(e) = st.backend().finish_uses(stream, uses) {
             st.defer(PoolError::Backend(e));
+            // The buffer's uses on other streams are not ordered before anything queued on its
+            // stream from now on: wait for the whole device instead.
+            if let Err(e) = st.backend().synchronize() {
+                st.defer(PoolError::Backend(e));
+                // Nothing says when those uses end: never hand the block out again.
+                st.stranded_bytes += size;
+                return;
+            }
         }
         // No event yet: the stream itself may reuse the block at once, and an event is recorded
         // for a batch of open blocks only when another stream may want them (see `Order::Open`).
@@ -600,6 +610,7 @@ impl<B: DeviceBackend> DevicePool<B> {
                     bfc,
                     pending: VecDeque::new(),
                     pending_bytes: 0,
+                    stranded_bytes: 0,
                     polled: Vec::new(),
                     errors: Vec::new(),
                 }),
@@ -689,6 +700,7 @@ impl<B: DeviceBackend> DevicePool<B> {
             allocator,
             pending_blocks: st.pending.len(),
             pending_bytes: st.pending_bytes,
+            stranded_bytes: st.stranded_bytes,
             device_free,
             device_total,
         }

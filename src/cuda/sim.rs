@@ -49,6 +49,8 @@ struct SimState {
     device_syncs: usize,
     fail_event_record: bool,
     fail_stream_query: bool,
+    fail_finish_uses: bool,
+    fail_synchronize: bool,
 }
 
 /// Work on one simulated stream. Items are numbered from 1 in queue order and complete in order.
@@ -116,6 +118,8 @@ impl SimDevice {
                 device_syncs: 0,
                 fail_event_record: false,
                 fail_stream_query: false,
+                fail_finish_uses: false,
+                fail_synchronize: false,
             })),
         }
     }
@@ -163,6 +167,16 @@ impl SimDevice {
     /// Makes stream queries fail (the pool must then treat the stream as busy).
     pub fn set_fail_stream_query(&self, fail: bool) {
         self.lock().fail_stream_query = fail;
+    }
+
+    /// Makes ordering a freed buffer's uses on other streams fail (`cuStreamWaitEvent`).
+    pub fn set_fail_finish_uses(&self, fail: bool) {
+        self.lock().fail_finish_uses = fail;
+    }
+
+    /// Makes device-wide synchronisations fail.
+    pub fn set_fail_synchronize(&self, fail: bool) {
+        self.lock().fail_synchronize = fail;
     }
 
     /// Completes all work queued on `stream` so far.
@@ -360,6 +374,12 @@ impl DeviceBackend for SimBackend {
 
     fn synchronize(&mut self) -> Result<(), BackendError> {
         let mut st = self.device.lock();
+        if st.fail_synchronize {
+            return Err(BackendError::new(
+                "cuCtxSynchronize",
+                "CUDA_ERROR_LAUNCH_FAILED (simulated)",
+            ));
+        }
         st.device_syncs += 1;
         for s in st.streams.iter_mut() {
             s.done = s.queued;
@@ -371,7 +391,13 @@ impl DeviceBackend for SimBackend {
         Ok(())
     }
 
-    fn finish_uses(_: &SimStream, _: &()) -> Result<(), BackendError> {
+    fn finish_uses(&mut self, _: &SimStream, _: &()) -> Result<(), BackendError> {
+        if self.device.lock().fail_finish_uses {
+            return Err(BackendError::new(
+                "cuStreamWaitEvent",
+                "CUDA_ERROR_LAUNCH_FAILED (simulated)",
+            ));
+        }
         Ok(())
     }
 }
