@@ -246,7 +246,10 @@ impl DeviceBackend for CudaBackend {
 ///   the home stream that go through `device_ptr`/`device_ptr_mut`.
 ///
 /// Kernel arguments (`launch_builder(..).arg(&buf)`) are not tracked: launch on the home stream, or
-/// order the launch yourself.
+/// order the launch yourself. One event marks the end of the foreign uses, so two uses on two other
+/// streams that overlap in time (from two threads, through `&DeviceBuffer`) are both ordered only if
+/// the first one's `device_ptr` call returned before the second one's began; order such concurrent
+/// uses yourself (make the home stream wait for them) before dropping the buffer.
 #[derive(Debug, Default)]
 pub struct CudaUses {
     /// Serialises the bookkeeping of concurrent uses.
