@@ -261,6 +261,21 @@ fn another_streams_miss_closes_open_blocks_only_when_the_engine_has_no_room() {
 }
 
 #[test]
+fn another_idle_streams_blocks_serve_a_miss_before_the_pool_grows() {
+    let dev = SimDevice::new(4 * GIB);
+    let p = pool(&dev, PoolOptions::with_limit(GIB)); // grows from a 2 MiB region
+    drop(alloc(&p, A, 2 * MIB).unwrap()); // the whole first region; A does no work: idle
+    let regions = dev.requests().len();
+    // The engine has no free chunk for 2 MiB, but A's open block fits and A is idle: it goes back
+    // and serves B, with no growth.
+    let b = alloc(&p, B, 2 * MIB).unwrap();
+    assert_eq!(dev.requests().len(), regions);
+    assert_eq!((dev.recorded(A), p.stats().pending_blocks), (0, 0));
+    drop(b);
+    p.check().unwrap();
+}
+
+#[test]
 fn a_stream_reusing_its_own_blocks_makes_no_driver_call() {
     let dev = SimDevice::new(4 * GIB);
     let p = pool(&dev, PoolOptions::with_limit(GIB));
@@ -328,7 +343,7 @@ fn open_blocks_are_closed_by_one_event_per_batch() {
 }
 
 #[test]
-fn a_miss_starts_the_streams_open_blocks_back_to_the_engine() {
+fn same_stream_reuse_does_not_hand_out_a_much_larger_block_and_the_miss_returns_it() {
     let dev = SimDevice::new(4 * GIB);
     let p = pool(&dev, PoolOptions::with_limit(GIB));
     let big = alloc(&p, A, MIB).unwrap();
@@ -338,6 +353,7 @@ fn a_miss_starts_the_streams_open_blocks_back_to_the_engine() {
     // Too big to hand out whole for 1 KiB: a miss, which records A's event.
     let small = alloc(&p, A, 1024).unwrap();
     assert_ne!(small.device_address(), addr);
+    assert_eq!(small.block_size(), 1024);
     assert_eq!(dev.recorded(A), 1);
     assert_eq!(p.stats().pending_blocks, 1);
     dev.complete(A);
@@ -348,20 +364,6 @@ fn a_miss_starts_the_streams_open_blocks_back_to_the_engine() {
     assert_eq!(s.allocator.bytes_in_use, 1024 + 2048);
     drop((small, again));
     p.check().unwrap();
-}
-
-#[test]
-fn same_stream_reuse_does_not_hand_out_a_much_larger_block() {
-    let dev = SimDevice::new(4 * GIB);
-    let p = pool(&dev, PoolOptions::with_limit(GIB));
-    let big = alloc(&p, A, MIB).unwrap();
-    let addr = big.device_address();
-    dev.enqueue(A);
-    drop(big);
-    let small = alloc(&p, A, 1024).unwrap();
-    assert_ne!(small.device_address(), addr);
-    assert_eq!(small.block_size(), 1024);
-    assert_eq!(p.stats().pending_blocks, 1);
 }
 
 #[test]

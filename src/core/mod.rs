@@ -693,7 +693,8 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         ptr
     }
 
-    fn largest_free_block(&self) -> usize {
+    /// Size of the largest free chunk (scans the top non-empty bin).
+    pub fn largest_free_block(&self) -> usize {
         let Some(b) = self.bins.last_non_empty() else {
             return 0;
         };

@@ -262,17 +262,25 @@ impl<B: DeviceBackend> State<B> {
         true
     }
 
-    /// Closes the open and unordered blocks of every stream.
-    fn close_all(&mut self) {
+    /// Closes the open and unordered blocks of every stream with one that `pick` selects; returns
+    /// whether any stream had some.
+    fn close_where(&mut self, pick: impl Fn(&Pending<B::Stream, B::Event>) -> bool) -> bool {
         let mut sids: Vec<u64> = Vec::new();
         for p in self.pending.iter() {
-            if !matches!(p.order, Order::Event(_)) && !sids.contains(&p.stream_id) {
+            if !matches!(p.order, Order::Event(_)) && pick(p) && !sids.contains(&p.stream_id) {
                 sids.push(p.stream_id);
             }
         }
+        let mut closed = false;
         for sid in sids {
-            self.close(sid);
+            closed |= self.close(sid);
         }
+        closed
+    }
+
+    /// Closes the open and unordered blocks of every stream.
+    fn close_all(&mut self) {
+        self.close_where(|_| true);
     }
 
     /// Returns every pending block whose stream has passed its event to the engine. Events of one
@@ -475,20 +483,8 @@ impl<B: DeviceBackend> Shared<B> {
         // the engine has no free chunk for the request either, do the same for other streams'
         // open blocks that could serve it, rather than grow.
         let mut closed = st.close(sid);
-        if st.bfc.stats().largest_free_block < bytes {
-            let mut others: Vec<u64> = Vec::new();
-            for p in st.pending.iter() {
-                if p.stream_id != sid
-                    && p.size >= bytes
-                    && !matches!(p.order, Order::Event(_))
-                    && !others.contains(&p.stream_id)
-                {
-                    others.push(p.stream_id);
-                }
-            }
-            for other in others {
-                closed |= st.close(other);
-            }
+        if st.bfc.largest_free_block() < bytes {
+            closed |= st.close_where(|p| p.stream_id != sid && p.size >= bytes);
         }
         if closed {
             st.poll_pending();

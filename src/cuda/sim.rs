@@ -16,6 +16,11 @@ use super::backend::{BackendError, DeviceBackend};
 use crate::core::sim::SimSource;
 use crate::core::MemorySource;
 
+/// The error of a driver call `op` that a test made fail.
+fn failed(op: &'static str) -> BackendError {
+    BackendError::new(op, "CUDA_ERROR_LAUNCH_FAILED (simulated)")
+}
+
 /// A simulated stream: just an id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SimStream(pub u64);
@@ -333,10 +338,7 @@ impl DeviceBackend for SimBackend {
     fn stream_done(&mut self, stream: &SimStream) -> Result<bool, BackendError> {
         let mut st = self.device.lock();
         if st.fail_stream_query {
-            return Err(BackendError::new(
-                "cuStreamQuery",
-                "CUDA_ERROR_LAUNCH_FAILED (simulated)",
-            ));
+            return Err(failed("cuStreamQuery"));
         }
         let s = st.stream(stream.0);
         Ok(s.done == s.queued)
@@ -345,10 +347,7 @@ impl DeviceBackend for SimBackend {
     fn record_event(&mut self, stream: &SimStream) -> Result<SimEvent, BackendError> {
         let mut st = self.device.lock();
         if st.fail_event_record {
-            return Err(BackendError::new(
-                "cuEventRecord",
-                "CUDA_ERROR_LAUNCH_FAILED (simulated)",
-            ));
+            return Err(failed("cuEventRecord"));
         }
         let s = st.stream(stream.0);
         s.queued += 1;
@@ -375,10 +374,7 @@ impl DeviceBackend for SimBackend {
     fn synchronize(&mut self) -> Result<(), BackendError> {
         let mut st = self.device.lock();
         if st.fail_synchronize {
-            return Err(BackendError::new(
-                "cuCtxSynchronize",
-                "CUDA_ERROR_LAUNCH_FAILED (simulated)",
-            ));
+            return Err(failed("cuCtxSynchronize"));
         }
         st.device_syncs += 1;
         for s in st.streams.iter_mut() {
@@ -393,10 +389,7 @@ impl DeviceBackend for SimBackend {
 
     fn finish_uses(&mut self, _: &SimStream, _: &()) -> Result<(), BackendError> {
         if self.device.lock().fail_finish_uses {
-            return Err(BackendError::new(
-                "cuStreamWaitEvent",
-                "CUDA_ERROR_LAUNCH_FAILED (simulated)",
-            ));
+            return Err(failed("cuStreamWaitEvent"));
         }
         Ok(())
     }
