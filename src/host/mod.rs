@@ -1191,11 +1191,23 @@ impl Heap {
     /// Gives class `c`, whose spans are all full, a new span from the engine and allocates.
     #[cold]
     fn small_refill(&mut self, c: usize) -> Option<usize> {
-        let base = self.bfc.allocate(SPAN, SPAN).ok()?;
+        if !self.small_new_span(c) {
+            return None;
+        }
+        self.small.alloc(c)
+    }
+
+    /// Gives class `c`, whose spans are all full, a new span from the engine; `false` when out of
+    /// memory.
+    #[cold]
+    fn small_new_span(&mut self, c: usize) -> bool {
+        let Ok(base) = self.bfc.allocate(SPAN, SPAN) else {
+            return false;
+        };
         self.note_allocated(base, SPAN);
         self.span_allocs += 1;
         self.small.add_span(c, base);
-        self.small.alloc(c)
+        true
     }
 
     /// Counters as callers see them: spans replaced by the small objects in them.
@@ -1797,28 +1809,19 @@ impl Heap {
         // The slab hands out ascending addresses; the stack is filled in reverse so the thread
         // gets them in that order too (consecutive allocations stay adjacent in memory).
         let mut got = [0usize; tcache::MAX_BATCH + 1];
-        let mut n = 0;
-        while n <= tcache::batch(c) {
-            // Blocks another thread's cache gave back first, then the slab layer.
-            let p = match self.transfer.pop(c) {
-                Some(p) => p,
-                None => match self.small.alloc(c) {
-                    Some(p) => p,
-                    None => match self.small_refill(c) {
-                        Some(p) => p,
-                        None => break,
-                    },
-                },
-            };
-            got[n] = p;
-            n += 1;
+        let want = tcache::batch(c) + 1;
+        // Blocks another thread's cache gave back first, then the slab layer.
+        let mut n = self.transfer.pop_into(c, &mut got[..want]);
+        while n < want {
+            n += self.small.alloc_batch(c, &mut got[n..want]);
+            if n < want && !self.small_new_span(c) {
+                break;
+            }
         }
         if n == 0 {
             return ptr::null_mut();
         }
-        for &p in got[1..n].iter().rev() {
-            tc.fill(c, p);
-        }
+        tc.fill_reversed(c, &got[1..n]);
         self.note_peak(small::class_size(c));
         got[0] as *mut u8
     }
@@ -1827,12 +1830,30 @@ impl Heap {
     /// cache while it has room, if `transfer`, and otherwise back to the slab layer, each checked to
     /// be a live object of class `c`.
     fn flush_bin(&mut self, tc: &ThreadCache, c: usize, n: usize, transfer: bool) {
-        for _ in 0..n {
-            let Some(p) = tc.pop(c) else { break };
-            if transfer && self.transfer.push(c, p) {
-                continue;
+        let mut buf = [0usize; tcache::MAX_BATCH];
+        let mut left = n;
+        while left > 0 {
+            let k = tc.pop_into(c, &mut buf[..left.min(tcache::MAX_BATCH)]);
+            if k == 0 {
+                break;
             }
-            self.free_to_slab(p, c);
+            left -= k;
+            let mut rest = &buf[..k];
+            if transfer {
+                rest = &rest[self.transfer.push_from(c, rest)..];
+            }
+            self.free_batch_to_slab(c, rest);
+        }
+    }
+
+    /// Frees cached blocks of class `c` into the slab layer, aborting at the first one that is not a
+    /// live object of that class.
+    fn free_batch_to_slab(&mut self, c: usize, mut blocks: &[usize]) {
+        while !blocks.is_empty() {
+            let (k, outcome) = self.small.free_batch(c, blocks);
+            let p = blocks[k - 1];
+            blocks = &blocks[k..];
+            self.after_slab_free(p, outcome);
         }
     }
 
@@ -1848,7 +1869,15 @@ impl Heap {
     /// Frees a cached block of class `c` into the slab layer, aborting if it is not a live object
     /// of that class.
     fn free_to_slab(&mut self, p: usize, c: usize) {
-        match self.small.free_of_class(p, c) {
+        let outcome = self.small.free_of_class(p, c);
+        self.after_slab_free(p, outcome);
+    }
+
+    /// Finishes a checked free of the cached block `p` into the slab layer: gives an emptied span
+    /// back to the engine, or aborts if `p` was not a live object of the cache's class.
+    #[inline]
+    fn after_slab_free(&mut self, p: usize, outcome: SmallFree) {
+        match outcome {
             SmallFree::Freed(None) => {}
             SmallFree::Freed(Some(span)) => self.free_engine(span),
             SmallFree::OtherClass | SmallFree::NotSmall => os::fatal(format_args!(

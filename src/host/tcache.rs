@@ -242,6 +242,32 @@ impl ThreadCache {
         self.set_count(c, n + 1);
     }
 
+    /// Pops up to `out.len()` blocks of class `c` into `out` (owner thread only); returns how many.
+    pub(crate) fn pop_into(&self, c: usize, out: &mut [usize]) -> usize {
+        let n = self.count(c);
+        let k = n.min(out.len());
+        for (j, o) in out[..k].iter_mut().enumerate() {
+            *o = self.slot(c, n - 1 - j).get();
+        }
+        self.set_count(c, n - k);
+        k
+    }
+
+    /// Adds `blocks` without checks, last first (a refill from the heap, which hands out ascending
+    /// addresses: the stack then pops them in that order). The stack must have room for them all.
+    pub(crate) fn fill_reversed(&self, c: usize, blocks: &[usize]) {
+        let n = self.count(c);
+        if n + blocks.len() > bin_capacity(c) {
+            // Callers make room first; reaching this is a bug, and writing on would corrupt the
+            // next class's stack.
+            super::os::fatal(format_args!("thread cache overfilled (class {c})"));
+        }
+        for (k, &p) in blocks.iter().rev().enumerate() {
+            self.slot(c, n + k).set(p);
+        }
+        self.set_count(c, n + blocks.len());
+    }
+
     /// Calls `f` on the blocks of class `c`'s stack (owner thread only).
     pub(crate) fn walk(&self, c: usize, mut f: impl FnMut(usize)) {
         for i in 0..self.count(c) {
@@ -315,18 +341,6 @@ impl Transfer {
         2 * bin_capacity(c)
     }
 
-    /// Pushes `p`; `false` (nothing changed) when the stack is full.
-    #[inline]
-    pub(crate) fn push(&mut self, c: usize, p: usize) -> bool {
-        let n = self.counts[c] as usize;
-        if n >= Self::capacity(c) {
-            return false;
-        }
-        self.slots[2 * OFFSET[c] + n] = p;
-        self.counts[c] += 1;
-        true
-    }
-
     #[inline]
     pub(crate) fn pop(&mut self, c: usize) -> Option<usize> {
         let n = self.counts[c] as usize;
@@ -335,6 +349,27 @@ impl Transfer {
         }
         self.counts[c] -= 1;
         Some(self.slots[2 * OFFSET[c] + n - 1])
+    }
+
+    /// Pushes blocks from the front of `blocks` while the stack has room; returns how many.
+    pub(crate) fn push_from(&mut self, c: usize, blocks: &[usize]) -> usize {
+        let n = self.counts[c] as usize;
+        let k = blocks.len().min(Self::capacity(c) - n);
+        self.slots[2 * OFFSET[c] + n..][..k].copy_from_slice(&blocks[..k]);
+        self.counts[c] += k as u16;
+        k
+    }
+
+    /// Moves up to `out.len()` blocks of class `c` into `out`, top first; returns how many.
+    pub(crate) fn pop_into(&mut self, c: usize, out: &mut [usize]) -> usize {
+        let n = self.counts[c] as usize;
+        let k = n.min(out.len());
+        let stack = &self.slots[2 * OFFSET[c]..][..n];
+        for (o, &p) in out[..k].iter_mut().zip(stack.iter().rev()) {
+            *o = p;
+        }
+        self.counts[c] -= k as u16;
+        k
     }
 
     /// Blocks on class `c`'s stack.
