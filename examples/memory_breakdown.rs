@@ -1,0 +1,120 @@
+//! Where the memory of a small-object workload goes: runs bench-peers' `churn` workload (a live set
+//! of 10,000 blocks, sizes log-uniform in 8..=4096 B, random replacement) with `GlobalBfc` as the
+//! global allocator and splits the process's resident memory into the bytes callers asked for,
+//! size-class rounding, blocks held in thread and transfer caches, allocator metadata, and the rest
+//! (free memory that stays resident: free objects in slab spans and free engine chunks).
+//!
+//! ```sh
+//! cargo run --release --example memory_breakdown [steps]
+//! ```
+
+use std::alloc::{alloc, dealloc, Layout};
+
+#[global_allocator]
+static A: bfc_alloc::GlobalBfc = bfc_alloc::GlobalBfc::new();
+
+/// xorshift64, as in bench-peers.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn log_size(&mut self, lo: usize, hi: usize) -> usize {
+        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
+        let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
+        ((a + u * (b - a)).exp() as usize).clamp(lo, hi)
+    }
+}
+
+/// `(VmRSS, VmHWM)` in KiB.
+fn rss_kib() -> (usize, usize) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+fn layout(size: usize) -> Layout {
+    Layout::from_size_align(size, 8).expect("valid layout")
+}
+
+fn report(label: &str, base: usize, requested: usize) {
+    let s = A.stats();
+    let (rss, hwm) = rss_kib();
+    let kib = |b: usize| b / 1024;
+    let grown = rss.saturating_sub(base);
+    let rounding = s.bytes_in_use.saturating_sub(requested);
+    let accounted = kib(requested) + kib(rounding) + kib(s.bytes_cached) + kib(s.metadata_bytes);
+    println!(
+        "{label:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        kib(requested),
+        kib(rounding),
+        kib(s.bytes_cached),
+        kib(s.metadata_bytes),
+        grown as isize - accounted as isize,
+        grown,
+        hwm
+    );
+}
+
+fn main() {
+    let steps: usize = std::env::args()
+        .nth(1)
+        .map(|s| s.parse().expect("steps: a number"))
+        .unwrap_or(3_000_000);
+    let (base, _) = rss_kib();
+    println!("resident at start: {base} KiB; columns in KiB");
+    println!(
+        "{:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "step", "requested", "rounding", "cached", "metadata", "rest", "rss-start", "peak rss"
+    );
+    let mut rng = Rng(1);
+    let mut slots: Vec<(*mut u8, usize)> = Vec::with_capacity(10_000);
+    // The slot table is a request too.
+    let mut requested = slots.capacity() * std::mem::size_of::<(*mut u8, usize)>();
+    for _ in 0..10_000 {
+        let s = rng.log_size(8, 4096);
+        // SAFETY: a non-zero layout; the block is written within its size and freed once below.
+        let p = unsafe { alloc(layout(s)) };
+        assert!(!p.is_null(), "out of memory");
+        // SAFETY: the block holds at least one byte.
+        unsafe { p.write(1) };
+        requested += s;
+        slots.push((p, s));
+    }
+    report("filled", base, requested);
+    for k in 1..=steps {
+        let i = (rng.next() % slots.len() as u64) as usize;
+        let (p, s) = slots[i];
+        // SAFETY: `p` came from `alloc(layout(s))` and is freed once.
+        unsafe { dealloc(p, layout(s)) };
+        requested -= s;
+        let s = rng.log_size(8, 4096);
+        // SAFETY: as above.
+        let p = unsafe { alloc(layout(s)) };
+        assert!(!p.is_null(), "out of memory");
+        // SAFETY: the block holds at least one byte.
+        unsafe { p.write(1) };
+        requested += s;
+        slots[i] = (p, s);
+        if k % (steps / 6).max(1) == 0 || k == steps {
+            report(&k.to_string(), base, requested);
+        }
+    }
+    for (p, s) in slots.drain(..) {
+        // SAFETY: as above.
+        unsafe { dealloc(p, layout(s)) };
+        requested -= s;
+    }
+    report("freed", base, requested);
+}
