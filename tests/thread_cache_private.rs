@@ -123,3 +123,60 @@ fn a_thread_exiting_after_its_allocator_moved_flushes_into_the_moved_heap() {
     assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 0), "{s:?}");
     moved.check().unwrap();
 }
+
+/// Filling a small arena through the thread cache: the refill that meets out-of-memory keeps the
+/// blocks it already took, no block is handed out twice, and once everything is freed the same
+/// number of blocks fits again.
+#[test]
+fn refills_that_run_out_of_memory_lose_nothing() {
+    std::thread::spawn(|| {
+        for size in [4096usize, 3000, 1024, 16] {
+            // A fresh instance per size: this thread's cache binds to the first one and, once it
+            // is dropped, to the next.
+            let a = GlobalBfc::with_config(HostConfig {
+                arena_size: 2 << 20,
+                min_arena_size: 2 << 20,
+                ..HostConfig::DEFAULT
+            });
+            let l = Layout::from_size_align(size, 8).unwrap();
+            let fill = |a: &GlobalBfc| {
+                let mut got = Vec::new();
+                loop {
+                    // SAFETY: a valid layout.
+                    let p = unsafe { a.alloc(l) };
+                    if p.is_null() {
+                        break;
+                    }
+                    got.push(p as usize);
+                }
+                let mut sorted = got.clone();
+                sorted.sort_unstable();
+                for w in sorted.windows(2) {
+                    assert!(w[0] + size <= w[1], "{size} B blocks {w:x?} overlap");
+                }
+                a.check().unwrap();
+                got
+            };
+            let first = fill(&a);
+            assert!(first.len() > 16, "{size} B: only {} blocks", first.len());
+            assert_eq!(a.thread_cache_bytes(), 0, "{size} B: blocks cached at OOM");
+            for &p in first.iter().rev() {
+                // SAFETY: allocated above with `l`, freed once.
+                unsafe { a.dealloc(p as *mut u8, l) };
+            }
+            a.flush_thread_cache();
+            let s = a.stats();
+            assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 0), "{size} B: {s:?}");
+            let second = fill(&a);
+            assert_eq!(second.len(), first.len(), "{size} B: blocks lost");
+            for &p in &second {
+                // SAFETY: as above.
+                unsafe { a.dealloc(p as *mut u8, l) };
+            }
+            a.flush_thread_cache();
+            a.check().unwrap();
+        }
+    })
+    .join()
+    .unwrap();
+}

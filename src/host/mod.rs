@@ -1859,18 +1859,16 @@ impl Heap {
 
     /// Returns every block in the transfer cache to the slab layer (checked).
     fn drain_transfer(&mut self) {
+        let mut buf = [0usize; tcache::MAX_BATCH];
         for c in 0..small::NUM_CLASSES {
-            while let Some(p) = self.transfer.pop(c) {
-                self.free_to_slab(p, c);
+            loop {
+                let k = self.transfer.pop_into(c, &mut buf);
+                if k == 0 {
+                    break;
+                }
+                self.free_batch_to_slab(c, &buf[..k]);
             }
         }
-    }
-
-    /// Frees a cached block of class `c` into the slab layer, aborting if it is not a live object
-    /// of that class.
-    fn free_to_slab(&mut self, p: usize, c: usize) {
-        let outcome = self.small.free_of_class(p, c);
-        self.after_slab_free(p, outcome);
     }
 
     /// Finishes a checked free of the cached block `p` into the slab layer: gives an emptied span
@@ -2034,21 +2032,39 @@ mod tests {
     }
 
     /// Whether this process is the child running `case`.
-    fn is_child(case: &str) -> bool {
+    pub(super) fn is_child(case: &str) -> bool {
         std::env::var(CHILD_ENV).is_ok_and(|c| c == case)
     }
 
     /// Runs the test `host::tests::<case>` in a child process: `(status, stdout, stderr)`.
     fn run_child(case: &str) -> (std::process::ExitStatus, String, String) {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                &std::format!("host::tests::{case}"),
-                "--nocapture",
-            ])
+        run_child_at("host::tests", case)
+    }
+
+    /// Runs the test `module::case` alone in a child process, which [`is_child`] tells apart.
+    /// A child still running after a minute (a hang where an abort was expected) is killed and
+    /// fails the test.
+    pub(super) fn run_child_at(
+        module: &str,
+        case: &str,
+    ) -> (std::process::ExitStatus, String, String) {
+        use std::process::Stdio;
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", &std::format!("{module}::{case}"), "--nocapture"])
             .env(CHILD_ENV, case)
-            .output()
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
             .unwrap();
+        let start = std::time::Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            if start.elapsed() > std::time::Duration::from_secs(60) {
+                child.kill().unwrap();
+                panic!("child {case} still running after 60 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let out = child.wait_with_output().unwrap();
         (
             out.status,
             String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -394,6 +394,13 @@ impl SmallHeap {
                     span.avail &= !(1 << w);
                 }
             }
+            if n == start {
+                // The current span must have room: its metadata was overwritten. Stop rather than
+                // spin under the heap lock or hand out an object twice.
+                super::os::fatal(format_args!(
+                    "slab metadata corrupted: the current span of class {c} has no free object"
+                ));
+            }
             span.free -= (n - start) as u16;
             if span.purged != 0 {
                 // The objects' pages are in use again (the callers will touch them).
@@ -415,7 +422,8 @@ impl SmallHeap {
         n
     }
 
-    /// Gives class `c`, which has no span with room ([`Self::alloc`] returned `None`), the fresh
+    /// Gives class `c`, which has no span with room ([`Self::alloc`] returned `None`, or
+    /// [`Self::alloc_batch`] came back short), the fresh
     /// span at `base` (a new 64 KiB-aligned chunk from the engine), which becomes current.
     pub(crate) fn add_span(&mut self, c: usize, base: usize) {
         debug_assert_eq!(self.current[c], 0);
@@ -492,15 +500,14 @@ impl SmallHeap {
 
     /// Frees the object at `ptr`, which must be of class `c` ([`SmallFree::OtherClass`] if it is
     /// live but of another class; nothing changes then).
-    #[inline]
-    #[cfg_attr(not(feature = "std"), allow(dead_code))]
+    #[cfg(all(test, feature = "std"))]
     pub(crate) fn free_of_class(&mut self, ptr: usize, c: usize) -> SmallFree {
         self.free_of(ptr, Some(c))
     }
 
-    /// Frees objects of class `c` from `ptrs`, each checked like [`Self::free_of_class`], until one
-    /// frees an emptied span or fails a check; returns how many were consumed (that one included)
-    /// and the last outcome (`Freed(None)` when all went through with nothing to report). One call
+    /// Frees objects of class `c` from `ptrs`, each checked to be a live object of that class,
+    /// until one frees an emptied span or fails a check; returns how many were consumed (that one
+    /// included) and the last outcome (`Freed(None)` when all went through with nothing to report). One call
     /// per batch: a thread cache's flush gives back a batch at a time.
     #[cfg_attr(not(feature = "std"), allow(dead_code))]
     pub(crate) fn free_batch(&mut self, c: usize, ptrs: &[usize]) -> (usize, SmallFree) {
@@ -923,6 +930,32 @@ mod tests {
             (1, SmallFree::Freed(None))
         ));
         h.check(base(8)).unwrap();
+    }
+
+    /// A current span whose bitmap says it is full while its count says it has room (overwritten
+    /// metadata) aborts the batch allocation instead of spinning under the heap lock.
+    #[test]
+    #[cfg(not(loom))]
+    fn a_batch_from_a_corrupted_span_aborts() {
+        use std::os::unix::process::ExitStatusExt;
+        let case = "a_batch_from_a_corrupted_span_aborts";
+        if crate::host::tests::is_child(case) {
+            let c = class_for(64, 8).unwrap();
+            let mut h = heap(4);
+            alloc(&mut h, c, 1);
+            h.spans[1].avail = 0;
+            let mut out = [0usize; 8];
+            let n = h.alloc_batch(c, &mut out);
+            std::println!("child survived with {n} objects");
+            return;
+        }
+        let (status, stdout, stderr) = crate::host::tests::run_child_at("host::small::tests", case);
+        assert_eq!(status.signal(), Some(libc::SIGABRT), "{stdout}{stderr}");
+        assert!(
+            stderr.contains("slab metadata corrupted: the current span of class"),
+            "{stderr}"
+        );
+        assert!(!stdout.contains("survived"));
     }
 
     #[test]

@@ -187,8 +187,8 @@ impl ThreadCache {
     fn slot(&self, c: usize, i: usize) -> &Cell<usize> {
         debug_assert!(i < bin_capacity(c));
         // SAFETY: `i < bin_capacity(c)` (callers index below the count, which never exceeds the
-        // capacity, or at the count when it is below the capacity), so the index is inside class
-        // `c`'s part of `slots`.
+        // capacity, or at or above the count after checking that the new count fits the
+        // capacity), so the index is inside class `c`'s part of `slots`.
         unsafe { self.slots.get_unchecked(OFFSET[c] + i) }
     }
 
@@ -339,16 +339,6 @@ impl Transfer {
     #[inline]
     fn capacity(c: usize) -> usize {
         2 * bin_capacity(c)
-    }
-
-    #[inline]
-    pub(crate) fn pop(&mut self, c: usize) -> Option<usize> {
-        let n = self.counts[c] as usize;
-        if n == 0 {
-            return None;
-        }
-        self.counts[c] -= 1;
-        Some(self.slots[2 * OFFSET[c] + n - 1])
     }
 
     /// Pushes blocks from the front of `blocks` while the stack has room; returns how many.
