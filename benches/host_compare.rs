@@ -11,21 +11,9 @@ use std::time::Instant;
 
 use bfc_alloc::GlobalBfc;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Log-uniform in `lo..hi`.
-    fn log_uniform(&mut self, lo: usize, hi: usize) -> usize {
-        let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
-        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        ((a + (b - a) * u).exp() as usize).clamp(lo, hi - 1)
-    }
-}
+#[path = "../tests/common/rng.rs"]
+mod rng;
+use rng::Rng;
 
 /// Mixed-size churn: live set of 10,000 blocks, sizes log-uniform 8..4096, random replacement, first
 /// byte written. Returns ns per replacement step.

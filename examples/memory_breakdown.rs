@@ -13,23 +13,9 @@ use std::alloc::{alloc, dealloc, Layout};
 #[global_allocator]
 static A: bfc_alloc::GlobalBfc = bfc_alloc::GlobalBfc::new();
 
-/// xorshift64, as in bench-peers.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn log_size(&mut self, lo: usize, hi: usize) -> usize {
-        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
-        ((a + u * (b - a)).exp() as usize).clamp(lo, hi)
-    }
-}
+#[path = "../tests/common/rng.rs"]
+mod rng;
+use rng::Rng;
 
 /// `(VmRSS, VmHWM)` in KiB.
 fn rss_kib() -> (usize, usize) {

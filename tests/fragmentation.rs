@@ -80,20 +80,9 @@ impl ExactBestFit {
     }
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn log_uniform(&mut self, lo: usize, hi: usize) -> usize {
-        let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
-        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        ((a + (b - a) * u).exp() as usize).clamp(lo, hi - 1)
-    }
-}
+#[path = "common/rng.rs"]
+mod rng;
+use rng::Rng;
 
 struct Outcome {
     footprint: usize,

@@ -507,8 +507,8 @@ impl SmallHeap {
 
     /// Frees objects of class `c` from `ptrs`, each checked to be a live object of that class,
     /// until one frees an emptied span or fails a check; returns how many were consumed (that one
-    /// included) and the last outcome (`Freed(None)` when all went through with nothing to report). One call
-    /// per batch: a thread cache's flush gives back a batch at a time.
+    /// included) and the last outcome (`Freed(None)` when all went through with nothing to
+    /// report). One call per batch: a thread cache's flush gives back a batch at a time.
     #[cfg_attr(not(feature = "std"), allow(dead_code))]
     pub(crate) fn free_batch(&mut self, c: usize, ptrs: &[usize]) -> (usize, SmallFree) {
         for (k, &p) in ptrs.iter().enumerate() {

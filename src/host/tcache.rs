@@ -229,17 +229,10 @@ impl ThreadCache {
         offset < self.arena_len.get() && super::small::is_object_start(offset & (SPAN - 1), c)
     }
 
-    /// Adds a block without checks (a refill from the slab layer, or a slow-path free that was
-    /// checked under the lock). The stack must have room.
+    /// Adds a block without checks (a slow-path free that was checked under the lock). The stack
+    /// must have room.
     pub(crate) fn fill(&self, c: usize, p: usize) {
-        let n = self.count(c);
-        if n >= bin_capacity(c) {
-            // Callers make room first; reaching this is a bug, and writing on would corrupt the
-            // next class's stack.
-            super::os::fatal(format_args!("thread cache overfilled (class {c})"));
-        }
-        self.slot(c, n).set(p);
-        self.set_count(c, n + 1);
+        self.fill_reversed(c, &[p]);
     }
 
     /// Pops up to `out.len()` blocks of class `c` into `out` (owner thread only); returns how many.

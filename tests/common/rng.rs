@@ -1,0 +1,27 @@
+//! The xorshift generator and log-uniform sizes shared by tests, benches and examples (the same
+//! sequence as bench-peers' `Rng`, so `examples/memory_breakdown.rs` replays its `churn`).
+// Each includer uses some of the methods.
+#![allow(dead_code)]
+
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Log-uniform in `lo..=hi` (bench-peers' `log_size`).
+    pub fn log_size(&mut self, lo: usize, hi: usize) -> usize {
+        let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
+        let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
+        ((a + u * (b - a)).exp() as usize).clamp(lo, hi)
+    }
+
+    /// Log-uniform in `lo..hi`: the same draw, with `hi` itself taken as `hi - 1`.
+    pub fn log_uniform(&mut self, lo: usize, hi: usize) -> usize {
+        self.log_size(lo, hi).min(hi - 1)
+    }
+}
