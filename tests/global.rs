@@ -456,6 +456,15 @@ fn child_entry() {
                 dealloc(p, Layout::from_size_align(16, 8).unwrap());
                 A.flush_thread_cache();
             }
+            "span_tail" => {
+                // 3072-byte objects fill 63 KiB of a 64 KiB span; the address just past the last
+                // one is no block, though it is a multiple of the size.
+                let (_, tail) = span_tail_3072();
+                dealloc(tail as *mut u8, Layout::from_size_align(3072, 16).unwrap());
+                // Caught at the free, not later when a thread cache gives the block back (`_exit`
+                // runs no thread-local destructor, so no exit flush).
+                libc::_exit(0);
+            }
             "foreign" => {
                 let mut x = 0u64;
                 dealloc(&mut x as *mut u64 as *mut u8, l);
@@ -515,6 +524,30 @@ fn thread_cache_double_free_and_wrong_layout_abort() {
         stderr.contains("holding a block twice"),
         "check() did not report the doubled block: {stderr:?}"
     );
+}
+
+/// Allocates 3072-byte blocks (21 to a 64 KiB span, which leaves a 1 KiB tail) until one is a
+/// span's last object; returns it and the address just past it, in the span's tail. The blocks stay
+/// allocated.
+fn span_tail_3072() -> (usize, usize) {
+    let l = Layout::from_size_align(3072, 16).unwrap();
+    for _ in 0..200 {
+        // SAFETY: a non-zero layout; the block is never freed (the span stays full).
+        let p = std::hint::black_box(unsafe { alloc(l) }) as usize;
+        assert_ne!(p, 0);
+        if p % (64 << 10) == 20 * 3072 {
+            return (p, p + 3072);
+        }
+    }
+    panic!("no 3072-byte block at a span's last slot");
+}
+
+#[test]
+fn the_tail_of_a_span_is_no_block() {
+    let (last, tail) = span_tail_3072();
+    assert_eq!(A.usable_size(last as *const u8), Some(3072));
+    assert_eq!(A.usable_size(tail as *const u8), None);
+    assert_aborts("span_tail", "double free of pointer");
 }
 
 #[test]

@@ -85,12 +85,46 @@ pub(crate) const fn class_size(c: usize) -> usize {
     CLASS_SIZES[c] as usize
 }
 
-/// Whether `offset` (from a span's start, below [`SPAN`]) is the start of an object of class `c`.
+/// Per class, for the exact-division test of [`is_object_start`]: with the class size
+/// `size = odd << twos`, the inverse of `odd` modulo 2^32 (bits 0..32), `twos` (bits 32..40) and the
+/// span's capacity in objects (bits 40..56).
+const START_TEST: [u64; NUM_CLASSES] = {
+    let mut t = [0u64; NUM_CLASSES];
+    let mut c = 0;
+    while c < NUM_CLASSES {
+        let size = CLASS_SIZES[c];
+        let twos = size.trailing_zeros();
+        let odd = size >> twos;
+        // Newton's iteration: `odd * odd == 1 (mod 8)`, and each step doubles the correct bits.
+        let mut inv = odd;
+        let mut k = 0;
+        while k < 4 {
+            inv = inv.wrapping_mul(2u32.wrapping_sub(odd.wrapping_mul(inv)));
+            k += 1;
+        }
+        assert!(odd.wrapping_mul(inv) == 1);
+        t[c] = inv as u64 | (twos as u64) << 32 | ((SPAN / size as usize) as u64) << 40;
+        c += 1;
+    }
+    t
+};
+
+/// Whether `offset` (from a span's start, below [`SPAN`]) is the start of an object of class `c`:
+/// a multiple of the class size below the end of the span's last object (a class size that does
+/// not divide [`SPAN`] leaves a tail that holds no object).
+///
+/// One multiplication decides both: with `size = odd << twos`, `q = rotr(offset * odd^-1, twos)`
+/// (modulo 2^32) equals `offset / size` when `size` divides `offset`, and exceeds
+/// `(2^32 - 1) / size`, so every capacity, when it does not (exact division by a constant, Hacker's
+/// Delight 10-16).
 #[cfg_attr(not(feature = "std"), allow(dead_code))]
 #[inline(always)]
 pub(crate) fn is_object_start(offset: usize, c: usize) -> bool {
-    let idx = ((offset as u64 * RECIP[c]) >> 32) as usize;
-    idx * CLASS_SIZES[c] as usize == offset
+    let t = START_TEST[c];
+    let q = (offset as u32)
+        .wrapping_mul(t as u32)
+        .rotate_right((t >> 32) as u32 & 31);
+    (q as u64) < t >> 40
 }
 
 /// Metadata of one 64 KiB window of the arena. All-zero bytes mean "not a span".
@@ -481,6 +515,11 @@ impl SmallHeap {
         let offset = ptr - self.arena - (i << SPAN_SHIFT);
         let idx = ((offset as u64 * RECIP[c]) >> 32) as usize;
         let size = CLASS_SIZES[c] as usize;
+        if idx >= capacity(c) {
+            // The span's tail, past its last object: never handed out. (Its bits read as
+            // allocated, so the bitmap cannot tell.)
+            return Err(SmallFree::DoubleFree);
+        }
         if idx * size != offset {
             return Err(SmallFree::Interior {
                 block: ptr - (offset - idx * size),
@@ -1133,6 +1172,20 @@ mod tests {
         // The last page of the span holds no object start past the capacity (21 x 3 KiB = 63
         // KiB), but meets object 20, which is live.
         h.check(base(2)).unwrap();
+    }
+
+    #[test]
+    fn object_starts_are_the_multiples_below_the_last_objects_end() {
+        for (c, &size) in CLASS_SIZES.iter().enumerate() {
+            let size = size as usize;
+            for offset in 0..SPAN {
+                assert_eq!(
+                    is_object_start(offset, c),
+                    offset % size == 0 && offset / size < capacity(c),
+                    "class {c} ({size} B), offset {offset}"
+                );
+            }
+        }
     }
 
     #[test]
