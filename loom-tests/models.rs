@@ -248,6 +248,62 @@ fn exit_flush_without_the_bindings_lock_is_caught() {
     );
 }
 
+/// Model 6b (thread caches): a cache whose instance is being dropped binds to another instance. The
+/// drop marks the old instance's caches orphaned while it walks their registry links; the orphaned
+/// cache, rebinding, rewrites its links into the new instance's registry. The rebinding waits for
+/// the walk to end, so the drop never follows the new links and orphans a cache of the live
+/// instance (whose blocks would then never be flushed back, and whose registry entry would outlive
+/// its thread).
+#[test]
+fn rebinding_races_the_old_instances_drop() {
+    loom::model(|| {
+        // Dropped in place and never deallocated, as in model 6.
+        let old: &'static GlobalBfc = Box::leak(Box::new(allocator()));
+        let new = Arc::new(allocator());
+        // This thread's cache binds to `new` and keeps one block.
+        let own = alloc_tagged(&new, 32, 7);
+        free(&new, own);
+        let (done_tx, done_rx) = loom::sync::mpsc::channel::<()>();
+        let worker = {
+            let new = new.clone();
+            thread::spawn(move || {
+                let b = alloc_tagged(old, 32, 5);
+                free(old, b); // the worker's cache binds to `old`
+                done_tx.send(()).unwrap(); // done with `old`
+                                           // Binds to `new` if `old`'s drop has marked the cache orphaned, else takes the lock.
+                let b = alloc_tagged(&new, 32, 6);
+                free(&new, b);
+                bfc_alloc::host::loom_exit_thread();
+            })
+        };
+        done_rx.recv().unwrap();
+        // SAFETY: the worker no longer uses `old` (it signalled so), nothing else holds it, and it
+        // is dropped once; its memory stays allocated (leaked).
+        unsafe { std::ptr::drop_in_place(old as *const GlobalBfc as *mut GlobalBfc) };
+        worker.join().unwrap();
+        bfc_alloc::host::loom_exit_thread(); // flushes this thread's block into `new`
+        let s = new.stats();
+        assert_eq!(
+            s.num_cached_chunks, 0,
+            "a live instance's cache was orphaned: its blocks stayed cached after its thread's exit \
+             flush ({s:?})"
+        );
+        assert_eq!(s.bytes_in_use, 0, "{s:?}");
+        new.check().expect("heap invariants");
+    });
+}
+
+/// Negative control for model 6b: when the rebinding does not wait on the bindings lock, loom finds
+/// the schedule in which the drop follows the rebound cache's new links.
+#[test]
+#[should_panic(expected = "a live instance's cache was orphaned")]
+fn rebinding_without_the_bindings_lock_is_caught() {
+    with_switch(
+        &bfc_alloc::host::LOOM_SKIP_REBIND_BINDINGS,
+        rebinding_races_the_old_instances_drop,
+    );
+}
+
 /// Model 7 (fork): the fork prepare step, which takes the bindings lock, the heap list's lock and
 /// every heap lock and holds them across the `fork`, races a thread that initialises, uses and drops
 /// a second allocator (heap list, then its state lock; bindings, state, heap, heap list) and uses

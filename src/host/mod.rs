@@ -660,6 +660,14 @@ fn bindings() -> &'static SpinLock<()> {
 pub static LOOM_SKIP_DROP_BINDINGS: crate::sync::UnmodelledAtomicBool =
     crate::sync::UnmodelledAtomicBool::new(false);
 
+/// Negative control for the loom models (loom builds only): when set, a thread cache rebinding
+/// after its instance's drop does not wait on the bindings lock, which the rebinding model must
+/// catch.
+#[cfg(all(feature = "std", loom))]
+#[doc(hidden)]
+pub static LOOM_SKIP_REBIND_BINDINGS: crate::sync::UnmodelledAtomicBool =
+    crate::sync::UnmodelledAtomicBool::new(false);
+
 /// New engine blocks of at least this size start at a multiple of it (64 KiB, like Windows'
 /// allocation granularity), unless the padding does not fit near the arena's limit (then they are
 /// placed as asked). A block grown in place keeps its address. Large blocks are often used from the
@@ -1664,7 +1672,16 @@ impl GlobalBfc {
             return None;
         }
         if orphaned {
-            // The instance it served was dropped: its blocks went with its arena.
+            // The instance it served was dropped: its blocks went with its arena. The drop marks
+            // its caches orphaned while it walks their registry links under the bindings lock;
+            // taking that lock waits for the walk to end, so the links this cache is about to
+            // rewrite for its new instance are never read as the old registry's.
+            #[cfg(not(loom))]
+            let _walk_done = bindings().lock();
+            #[cfg(loom)]
+            let _walk_done = (!LOOM_SKIP_REBIND_BINDINGS
+                .load(crate::sync::UnmodelledOrdering::Relaxed))
+            .then(|| bindings().lock());
             tc.forget();
         }
         tc.owner.set(tcache::BINDING);

@@ -32,7 +32,9 @@
 //! cache is on its instance's registry (under the heap lock), which is how `stats()` subtracts cached
 //! blocks and how dropping an instance marks its caches orphaned, after which they forget their blocks
 //! and may bind again. Thread exit and instance drop serialise on one process-wide lock, so an exiting
-//! thread never flushes into an instance that is being dropped.
+//! thread never flushes into an instance that is being dropped; an orphaned cache takes the same lock
+//! before it binds again, so the drop's walk of the old registry has ended before the cache's links
+//! change.
 //!
 //! The stacks are `Cell`s (the owner thread alone reads and writes them). The counts are atomics
 //! written only by the owner (a plain store, not a read-modify-write) so `stats()` may read them from
