@@ -107,6 +107,12 @@ impl<T> SpinLock<T> {
         {
             self.lock_contended();
         }
+        self.held()
+    }
+
+    /// The guard of a lock just taken, with the owner recorded for the re-entry check.
+    #[inline]
+    fn held(&self) -> SpinGuard<'_, T> {
         #[cfg(all(feature = "std", not(loom)))]
         if self.on_reentry.is_some() {
             self.owner.store(thread_id(), Ordering::Relaxed);
@@ -180,7 +186,7 @@ impl<T> SpinLock<T> {
         self.locked
             .compare_exchange(false, true, acquire(), Ordering::Relaxed)
             .ok()
-            .map(|_| SpinGuard { lock: self })
+            .map(|_| self.held())
     }
 }
 
@@ -223,6 +229,15 @@ mod tests {
     fn waiting_for_a_lock_you_hold_calls_the_handler() {
         static L: SpinLock<u32> = SpinLock::with_reentry_handler(0, reentered);
         let _held = L.lock();
+        let _again = L.lock();
+    }
+
+    #[test]
+    #[should_panic(expected = "lock re-entered by its holder")]
+    fn waiting_for_a_lock_taken_with_try_lock_calls_the_handler() {
+        static L: SpinLock<u32> = SpinLock::with_reentry_handler(0, reentered);
+        let _held = L.try_lock().expect("a free lock");
+        assert!(L.try_lock().is_none());
         let _again = L.lock();
     }
 
