@@ -167,7 +167,7 @@ impl DeviceBackend for CudaBackend {
     fn record_event(&mut self, stream: &Arc<CudaStream>) -> Result<CudaEvent, BackendError> {
         let ev = match self.events.pop() {
             Some(e) => e,
-            None => self.ctx.new_event(None).map_err(err("cuEventCreate"))?,
+            None => new_event(&self.ctx)?,
         };
         bind(&self.ctx)?;
         // SAFETY: the event and the stream are alive and belong to this context (`check_stream`
@@ -219,22 +219,61 @@ impl DeviceBackend for CudaBackend {
         stream: &Arc<CudaStream>,
         uses: &CudaUses,
     ) -> Result<(), BackendError> {
+        if let Some(e) = uses.unordered.get() {
+            // Some use on another stream was not ordered by an event: the pool waits for the
+            // whole context instead.
+            return Err(e.clone());
+        }
         if uses.foreign.load(Ordering::Acquire) {
+            // cudarc skips the record that marks the end of a use when the context holds a
+            // recorded error at that moment (left by another guard of the same call, or another
+            // thread): while one is there, the event may not mark the end of the last use.
+            let ctx = stream.context();
+            if let Err(e) = ctx.check_err() {
+                ctx.record_err::<()>(Err(e));
+                return Err(BackendError::new(
+                    "cuEventRecord",
+                    std::format!(
+                        "the context holds a recorded error ({e}), so the end of a use on another \
+                         stream may not have been recorded"
+                    ),
+                ));
+            }
             if let Some(after) = uses.after.get() {
-                bind(stream.context())?;
-                // SAFETY: the stream and the event are alive and of the same context.
-                unsafe {
-                    result::stream::wait_event(
-                        stream.cu_stream(),
-                        after.cu_event(),
-                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                    )
-                }
-                .map_err(err("cuStreamWaitEvent"))?;
+                wait_raw(stream, after)?;
             }
         }
         Ok(())
     }
+}
+
+/// Makes `stream` wait for `event`, without touching the error cudarc recorded in the context.
+fn wait_raw(stream: &CudaStream, event: &CudaEvent) -> Result<(), BackendError> {
+    bind(stream.context())?;
+    // SAFETY: the stream and the event are alive.
+    unsafe {
+        result::stream::wait_event(
+            stream.cu_stream(),
+            event.cu_event(),
+            sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+        )
+    }
+    .map_err(err("cuStreamWaitEvent"))
+}
+
+/// Records `event` on `stream` (of the event's context), without touching the recorded error.
+fn record_raw(event: &CudaEvent, stream: &CudaStream) -> Result<(), BackendError> {
+    bind(stream.context())?;
+    // SAFETY: the stream and the event are alive and of the same context (the callers check).
+    unsafe { result::event::record(event.cu_event(), stream.cu_stream()) }
+        .map_err(err("cuEventRecord"))
+}
+
+/// Blocks until the work queued on `stream` is done, without touching the recorded error.
+fn sync_raw(stream: &CudaStream) -> Result<(), BackendError> {
+    bind(stream.context())?;
+    // SAFETY: the stream is alive.
+    unsafe { result::stream::synchronize(stream.cu_stream()) }.map_err(err("cuStreamSynchronize"))
 }
 
 /// Orders a buffer's uses on streams other than its home stream (through `DevicePtr::device_ptr` or
@@ -245,8 +284,27 @@ impl DeviceBackend for CudaBackend {
 ///   buffer's free is recorded, before the next use on yet another stream, and before later uses on
 ///   the home stream that go through `device_ptr`/`device_ptr_mut`.
 ///
-/// Kernel arguments (`launch_builder(..).arg(&buf)`) are not tracked: launch on the home stream, or
-/// order the launch yourself. One event marks the end of the foreign uses, so two uses on two other
+/// A stream of another context (even a default stream, whose handle is null in every context) is
+/// another stream: the home stream's work is waited for on the host before the use, and the use
+/// itself before the call returns.
+///
+/// The calls go through the driver directly, not through cudarc's context, so a failure here does
+/// not become the context's recorded error, which would make cudarc skip the event record that
+/// ends the use. If any step fails, the free waits for the whole context instead of an event, and
+/// reports the first failure through [`DevicePool::take_errors`]. When no event can mark the end
+/// of a use (it could not be created, or the context does not manage stream synchronisation), the
+/// use is waited for on the host when it is queued.
+///
+/// cudarc marks the end of a use with the guard `device_ptr` returns, and skips that when the
+/// context holds a recorded error at that moment: while a context holds one, the free of a buffer
+/// used on another stream waits for the whole context. For a stream of another context that wait
+/// cannot cover the use: if a call that used the buffer there left an error in that context
+/// (`check_err`), synchronise that stream before dropping the buffer.
+///
+/// Not tracked: kernel arguments (`launch_builder(..).arg(&buf)`), and a peer copy from the buffer to
+/// memory of another context (`memcpy_dtod` on a stream of that context, which cudarc runs there but
+/// reports as a use on the buffer's own stream). Launch on the home stream, or order these
+/// yourself. One event marks the end of the foreign uses, so two uses on two other
 /// streams that overlap in time (from two threads, through `&DeviceBuffer`) are both ordered only if
 /// the first one's `device_ptr` call returned before the second one's began; order such concurrent
 /// uses yourself (make the home stream wait for them) before dropping the buffer.
@@ -260,54 +318,109 @@ pub struct CudaUses {
     after: OnceLock<CudaEvent>,
     /// Whether `after` has been handed out for recording.
     foreign: AtomicBool,
+    /// The first failure to order a use by events: the free then waits for the whole context.
+    unordered: OnceLock<BackendError>,
 }
 
-fn lazy_event<'a>(cell: &'a OnceLock<CudaEvent>, ctx: &Arc<CudaContext>) -> Option<&'a CudaEvent> {
-    if cell.get().is_none() {
-        match ctx.new_event(None) {
-            Ok(e) => {
-                let _ = cell.set(e);
-            }
-            Err(e) => ctx.record_err::<()>(Err(e)),
-        }
+/// A new event of `ctx`. cudarc's `new_event` refuses to run while the context holds a recorded
+/// error (and takes that error): the error is set aside and put back, so it stays its owner's, and
+/// a failure here is only the caller's.
+fn new_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent, BackendError> {
+    let recorded = ctx.check_err();
+    let event = ctx.new_event(None).map_err(err("cuEventCreate"));
+    ctx.record_err(recorded);
+    event
+}
+
+/// The event in `cell`, created on first use.
+fn lazy_event<'a>(
+    cell: &'a OnceLock<CudaEvent>,
+    ctx: &Arc<CudaContext>,
+) -> Result<&'a CudaEvent, BackendError> {
+    if let Some(e) = cell.get() {
+        return Ok(e);
     }
+    let _ = cell.set(new_event(ctx)?);
     cell.get()
+        .ok_or_else(|| BackendError::new("cuEventCreate", "the event was not kept"))
 }
 
 impl CudaUses {
+    /// Notes that a use could not be ordered by events (the first failure is kept).
+    fn unordered(&self, e: BackendError) {
+        let _ = self.unordered.set(e);
+    }
+
     fn enter<'a>(&'a self, home: &'a Arc<CudaStream>, other: &'a CudaStream) -> SyncOnDrop<'a> {
         let ctx = home.context();
-        if home.cu_stream() == other.cu_stream() {
+        let same_context = **ctx == **other.context();
+        if same_context && home.cu_stream() == other.cu_stream() {
             if self.foreign.load(Ordering::Acquire) {
                 // A use on the home stream waits for the last use on another stream.
                 if let Some(after) = self.after.get() {
-                    ctx.record_err(home.wait(after));
+                    if let Err(e) = wait_raw(home, after) {
+                        // The home stream's later work may overlap that use; the free still
+                        // waits for the whole context.
+                        self.unordered(e);
+                    }
                 }
             }
             return SyncOnDrop::Record(None);
         }
         let _guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
-        match lazy_event(&self.before, ctx) {
-            Some(before) => {
-                ctx.record_err(before.record(home));
-                ctx.record_err(other.wait(before));
-            }
-            None => ctx.record_err(home.synchronize()),
-        }
-        let after = lazy_event(&self.after, ctx);
-        if let Some(a) = after {
-            if self.foreign.swap(true, Ordering::AcqRel) {
-                // Keep the previous foreign use ordered before the free too.
-                ctx.record_err(home.wait(a));
+        if self.foreign.load(Ordering::Acquire) {
+            // The previous use on another stream comes before this one: the home stream waits
+            // for it first (and what is recorded on or waited for on the home stream below comes
+            // after it).
+            if let Some(after) = self.after.get() {
+                if let Err(e) = wait_raw(home, after) {
+                    self.unordered(e);
+                }
             }
         }
-        match after {
-            Some(a) if other.context().is_managing_stream_synchronization() => {
-                SyncOnDrop::Record(Some((a, other)))
+        let guard = if same_context {
+            self.enter_same_context(home, other)
+        } else {
+            // Another context: events cannot be recorded across contexts. Wait for the home
+            // stream's work here and for the use itself when it is queued; the free cannot wait
+            // for another context's stream.
+            if let Err(e) = sync_raw(home) {
+                self.unordered(e);
             }
-            // The context would not record the event: wait for the use instead.
-            _ => SyncOnDrop::Sync(Some(other)),
+            SyncOnDrop::Sync(Some(other))
+        };
+        // cudarc queues the use right after this returns, expecting its own context current.
+        if let Err(e) = bind(other.context()) {
+            self.unordered(e);
         }
+        guard
+    }
+
+    fn enter_same_context<'a>(
+        &'a self,
+        home: &'a Arc<CudaStream>,
+        other: &'a CudaStream,
+    ) -> SyncOnDrop<'a> {
+        let ctx = home.context();
+        let ordered = lazy_event(&self.before, ctx)
+            .and_then(|before| record_raw(before, home).and_then(|()| wait_raw(other, before)));
+        if let Err(e) = ordered {
+            self.unordered(e);
+            if let Err(e) = sync_raw(home) {
+                self.unordered(e);
+            }
+        }
+        match lazy_event(&self.after, ctx) {
+            Ok(a) if other.context().is_managing_stream_synchronization() => {
+                self.foreign.store(true, Ordering::Release);
+                return SyncOnDrop::Record(Some((a, other)));
+            }
+            // cudarc would not record the event: the use is waited for below instead.
+            Ok(_) => {}
+            Err(e) => self.unordered(e),
+        }
+        // No event will mark the end of the use: it is waited for when it is queued.
+        SyncOnDrop::Sync(Some(other))
     }
 }
 

@@ -51,9 +51,10 @@
 //!
 //! Uses on other streams are ordered when they go through cudarc's `DevicePtr::device_ptr` /
 //! `DevicePtrMut::device_ptr_mut` (as `memcpy_*` do): the other stream first waits for the home
-//! stream, and the home stream waits for that use before the free is recorded ([`CudaUses`]). A raw
-//! address ([`DeviceBuffer::device_address`]) or a kernel argument on another stream is yours to
-//! order.
+//! stream, and the home stream waits for that use before the free is recorded ([`CudaUses`]). A
+//! stream of another context is waited for on the host instead, around the use. A raw
+//! address ([`DeviceBuffer::device_address`]), a kernel argument on another stream, or a peer copy
+//! to another context's memory (`memcpy_dtod` on that context's stream) is yours to order.
 //!
 //! # Errors
 //!
