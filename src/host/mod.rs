@@ -591,9 +591,15 @@ fn install_fork_handlers() {
         // the child unable to allocate (it would hang, as with any allocator that has no handlers).
         let _ = rc;
     }
+    // Miri runs no `fork` and implements neither `pthread_once` nor `pthread_atfork`.
+    #[cfg(miri)]
+    let _ = (ONCE.0.get(), register as extern "C" fn());
     // SAFETY: `ONCE` is a static `pthread_once_t` initialised with `PTHREAD_ONCE_INIT`, and
     // `register` neither unwinds nor calls `pthread_once` on it.
-    unsafe { libc::pthread_once(ONCE.0.get(), register) };
+    #[cfg(not(miri))]
+    unsafe {
+        libc::pthread_once(ONCE.0.get(), register)
+    };
 }
 
 /// Puts a new heap on the list. The caller holds the list's lock.

@@ -23,7 +23,12 @@ pub(crate) fn reserve(size: usize) -> Option<NonNull<u8>> {
             core::ptr::null_mut(),
             size,
             libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            // Miri implements no other flags.
+            if cfg!(miri) {
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS
+            } else {
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE
+            },
             -1,
             0,
         )
@@ -52,12 +57,18 @@ pub(crate) unsafe fn discard(ptr: usize, size: usize) {
     if size == 0 {
         return;
     }
-    #[cfg(any(target_os = "linux", target_os = "android"))]
+    // Miri implements no `madvise`: zero the range, which is what the caller may observe.
+    #[cfg(miri)]
+    // SAFETY: guaranteed by the caller: the range is ours and unused.
+    unsafe {
+        core::ptr::write_bytes(ptr as *mut u8, 0, size);
+    }
+    #[cfg(all(not(miri), any(target_os = "linux", target_os = "android")))]
     // SAFETY: guaranteed by the caller; MADV_DONTNEED on private anonymous memory zero-fills.
     unsafe {
         libc::madvise(ptr as *mut libc::c_void, size, libc::MADV_DONTNEED);
     }
-    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    #[cfg(all(not(miri), not(any(target_os = "linux", target_os = "android"))))]
     // SAFETY: guaranteed by the caller; a fixed anonymous mapping over our own range replaces its
     // pages with fresh zero pages.
     unsafe {
