@@ -352,3 +352,37 @@ fn a_copy_on_another_stream_into_a_freed_buffer_finishes_before_its_memory_is_re
     pool.synchronize();
     pool.check_err().unwrap();
 }
+
+#[test]
+fn a_second_use_on_another_stream_waits_for_the_first() {
+    let Some(pool) = pool(PoolOptions::with_limit(256 * MIB)) else {
+        return;
+    };
+    let ctx = pool.context();
+    let Some(f) = spin_fill_kernel(&ctx) else {
+        return;
+    };
+    let (home, s1, s2) = (
+        ctx.new_stream().unwrap(),
+        ctx.new_stream().unwrap(),
+        ctx.new_stream().unwrap(),
+    );
+    let n = MIB;
+    let mut buf = pool.clone_htod(&home, &vec![0x1234_5678u32; n]).unwrap();
+    // SAFETY: written by the kernel before any read.
+    let slow: DeviceBuffer<u32> = unsafe { pool.alloc(&s1, n) }.unwrap();
+    // Stream 1 is busy for about half a second, then copies into `buf` (a use on another stream
+    // than buf's home); stream 2 then reads `buf` (another such use), which must see that copy.
+    launch_spin_fill(&s1, &f, &slow, 0xdead_beef, 1_000_000_000);
+    s1.memcpy_dtod(&slow, &mut buf).unwrap();
+    let seen = s2.clone_dtoh(&buf).unwrap();
+    assert!(
+        seen.iter().all(|&v| v == 0xdead_beef),
+        "the read on stream 2 ran before the copy on stream 1"
+    );
+    drop((buf, slow));
+    ctx.synchronize().unwrap();
+    pool.synchronize();
+    pool.check_err().unwrap();
+    ctx.check_err().unwrap();
+}
