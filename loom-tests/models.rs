@@ -38,6 +38,36 @@ fn with_switch(switch: &'static std::sync::atomic::AtomicBool, model: impl FnOnc
     model();
 }
 
+/// An allocator that a model drops in place and never deallocates, so a flush that came too late
+/// would find the dropped state (and fail the model) rather than freed memory. Threads reach it
+/// through [`Leaked::get`] only in scopes that end before it is dropped.
+#[derive(Clone, Copy)]
+struct Leaked(*mut GlobalBfc);
+
+// SAFETY: `GlobalBfc` is `Sync`; the pointer is only turned into a shared reference (`get`), or
+// dropped in place once no such reference is left (`drop_in_place`).
+unsafe impl Send for Leaked {}
+
+impl Leaked {
+    fn new() -> Self {
+        Leaked(Box::into_raw(Box::new(allocator())))
+    }
+
+    /// # Safety
+    /// Not after [`Leaked::drop_in_place`].
+    unsafe fn get<'a>(self) -> &'a GlobalBfc {
+        // SAFETY: a live, leaked allocator (the caller does not outlive the drop).
+        unsafe { &*self.0 }
+    }
+
+    /// # Safety
+    /// Once, after every reference from [`Leaked::get`] is gone.
+    unsafe fn drop_in_place(self) {
+        // SAFETY: guaranteed by the caller; the memory stays allocated (leaked).
+        unsafe { std::ptr::drop_in_place(self.0) }
+    }
+}
+
 /// Allocates `size` bytes, fills them with `tag`, and returns the block.
 fn alloc_tagged(a: &GlobalBfc, size: usize, tag: u8) -> (usize, Layout) {
     let l = Layout::from_size_align(size, 16).unwrap();
@@ -219,20 +249,21 @@ fn cross_thread_free_through_thread_caches() {
 #[test]
 fn thread_exit_races_allocator_drop() {
     loom::model(|| {
-        // Dropped in place and never deallocated, so a flush that came too late would find the
-        // dropped state (and fail the model) rather than freed memory.
-        let a: &'static GlobalBfc = Box::leak(Box::new(allocator()));
+        let a = Leaked::new();
         let (done_tx, done_rx) = loom::sync::mpsc::channel::<()>();
         let worker = thread::spawn(move || {
-            let b = alloc_tagged(a, 32, 5);
-            free(a, b); // stays in this thread's cache
+            {
+                // SAFETY: the drop waits for the signal below.
+                let a = unsafe { a.get() };
+                let b = alloc_tagged(a, 32, 5);
+                free(a, b); // stays in this thread's cache
+            }
             done_tx.send(()).unwrap(); // the closure is done with `a`...
             bfc_alloc::host::loom_exit_thread(); // ...and its thread-local destructor runs
         });
         done_rx.recv().unwrap();
-        // SAFETY: the worker no longer uses `a` (it signalled so), nothing else holds it, and it
-        // is dropped once; its memory stays allocated (leaked).
-        unsafe { std::ptr::drop_in_place(a as *const GlobalBfc as *mut GlobalBfc) };
+        // SAFETY: the worker's reference ended before its signal; dropped once.
+        unsafe { a.drop_in_place() };
         worker.join().unwrap();
     });
 }
@@ -257,8 +288,7 @@ fn exit_flush_without_the_bindings_lock_is_caught() {
 #[test]
 fn rebinding_races_the_old_instances_drop() {
     loom::model(|| {
-        // Dropped in place and never deallocated, as in model 6.
-        let old: &'static GlobalBfc = Box::leak(Box::new(allocator()));
+        let old = Leaked::new();
         let new = Arc::new(allocator());
         // This thread's cache binds to `new` and keeps one block.
         let own = alloc_tagged(&new, 32, 7);
@@ -267,8 +297,12 @@ fn rebinding_races_the_old_instances_drop() {
         let worker = {
             let new = new.clone();
             thread::spawn(move || {
-                let b = alloc_tagged(old, 32, 5);
-                free(old, b); // the worker's cache binds to `old`
+                {
+                    // SAFETY: the drop waits for the signal below.
+                    let old = unsafe { old.get() };
+                    let b = alloc_tagged(old, 32, 5);
+                    free(old, b); // the worker's cache binds to `old`
+                }
                 done_tx.send(()).unwrap(); // done with `old`
                                            // Binds to `new` if `old`'s drop has marked the cache orphaned, else takes the lock.
                 let b = alloc_tagged(&new, 32, 6);
@@ -277,9 +311,8 @@ fn rebinding_races_the_old_instances_drop() {
             })
         };
         done_rx.recv().unwrap();
-        // SAFETY: the worker no longer uses `old` (it signalled so), nothing else holds it, and it
-        // is dropped once; its memory stays allocated (leaked).
-        unsafe { std::ptr::drop_in_place(old as *const GlobalBfc as *mut GlobalBfc) };
+        // SAFETY: the worker's reference ended before its signal; dropped once.
+        unsafe { old.drop_in_place() };
         worker.join().unwrap();
         bfc_alloc::host::loom_exit_thread(); // flushes this thread's block into `new`
         let s = new.stats();

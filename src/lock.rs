@@ -237,6 +237,11 @@ mod tests {
     fn waiting_for_a_lock_taken_with_try_lock_calls_the_handler() {
         static L: SpinLock<u32> = SpinLock::with_reentry_handler(0, reentered);
         let _held = L.try_lock().expect("a free lock");
+        assert_eq!(
+            L.owner.load(Ordering::Relaxed),
+            thread_id(),
+            "owner not recorded"
+        );
         assert!(L.try_lock().is_none());
         let _again = L.lock();
     }

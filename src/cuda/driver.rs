@@ -224,10 +224,10 @@ impl DeviceBackend for CudaBackend {
             // whole context instead.
             return Err(e.clone());
         }
-        if uses.foreign.load(Ordering::Acquire) {
-            // cudarc skips the record that marks the end of a use when the context holds a
-            // recorded error at that moment (left by another guard of the same call, or another
-            // thread): while one is there, the event may not mark the end of the last use.
+        if uses.foreign.load(Ordering::Acquire) || uses.synced.load(Ordering::Acquire) {
+            // cudarc skips the record (or the wait) that marks the end of a use when the context
+            // holds a recorded error at that moment (left by another guard of the same call, or
+            // another thread): while one is there, the end of the last use may not be marked.
             let ctx = stream.context();
             if let Err(e) = ctx.check_err() {
                 ctx.record_err::<()>(Err(e));
@@ -297,9 +297,10 @@ fn sync_raw(stream: &CudaStream) -> Result<(), BackendError> {
 ///
 /// cudarc marks the end of a use with the guard `device_ptr` returns, and skips that when the
 /// context holds a recorded error at that moment: while a context holds one, the free of a buffer
-/// used on another stream waits for the whole context. For a stream of another context that wait
-/// cannot cover the use: if a call that used the buffer there left an error in that context
-/// (`check_err`), synchronise that stream before dropping the buffer.
+/// used on another stream waits for the whole context. So after a call that used the buffer on
+/// another stream left an error in a context (`check_err`), synchronise that stream before you
+/// take the error out or drop the buffer (the pool can no longer tell once the error is gone, and
+/// cannot wait for another context's stream at all).
 ///
 /// Not tracked: kernel arguments (`launch_builder(..).arg(&buf)`), and a peer copy from the buffer to
 /// memory of another context (`memcpy_dtod` on a stream of that context, which cudarc runs there but
@@ -318,6 +319,8 @@ pub struct CudaUses {
     after: OnceLock<CudaEvent>,
     /// Whether `after` has been handed out for recording.
     foreign: AtomicBool,
+    /// Whether a use on another stream of the same context is waited for by cudarc's guard.
+    synced: AtomicBool,
     /// The first failure to order a use by events: the free then waits for the whole context.
     unordered: OnceLock<BackendError>,
 }
@@ -416,7 +419,7 @@ impl CudaUses {
                 return SyncOnDrop::Record(Some((a, other)));
             }
             // cudarc would not record the event: the use is waited for below instead.
-            Ok(_) => {}
+            Ok(_) => self.synced.store(true, Ordering::Release),
             Err(e) => self.unordered(e),
         }
         // No event will mark the end of the use: it is waited for when it is queued.

@@ -644,7 +644,8 @@ fn fork_generation() -> usize {
     return 0;
 }
 
-/// Serialises thread-exit flushes with instance drops (see `tcache`'s docs).
+/// Serialises thread-exit flushes and the rebinding of orphaned caches with instance drops (see
+/// `tcache`'s docs).
 #[cfg(all(feature = "std", not(loom)))]
 fn bindings() -> &'static SpinLock<()> {
     static BINDINGS: SpinLock<()> = SpinLock::with_reentry_handler((), reentered);
