@@ -343,9 +343,8 @@ fn lazy_event<'a>(
     if let Some(e) = cell.get() {
         return Ok(e);
     }
-    let _ = cell.set(new_event(ctx)?);
-    cell.get()
-        .ok_or_else(|| BackendError::new("cuEventCreate", "the event was not kept"))
+    let event = new_event(ctx)?;
+    Ok(cell.get_or_init(|| event))
 }
 
 impl CudaUses {
@@ -354,33 +353,32 @@ impl CudaUses {
         let _ = self.unordered.set(e);
     }
 
+    /// Makes the home stream wait for the end of the last use on another stream, if any. On
+    /// failure the home stream's later work may overlap that use: the free then waits for the
+    /// whole context.
+    fn home_waits_for_last_foreign_use(&self, home: &CudaStream) {
+        if !self.foreign.load(Ordering::Acquire) {
+            return;
+        }
+        if let Some(after) = self.after.get() {
+            if let Err(e) = wait_raw(home, after) {
+                self.unordered(e);
+            }
+        }
+    }
+
     fn enter<'a>(&'a self, home: &'a Arc<CudaStream>, other: &'a CudaStream) -> SyncOnDrop<'a> {
         let ctx = home.context();
         let same_context = **ctx == **other.context();
         if same_context && home.cu_stream() == other.cu_stream() {
-            if self.foreign.load(Ordering::Acquire) {
-                // A use on the home stream waits for the last use on another stream.
-                if let Some(after) = self.after.get() {
-                    if let Err(e) = wait_raw(home, after) {
-                        // The home stream's later work may overlap that use; the free still
-                        // waits for the whole context.
-                        self.unordered(e);
-                    }
-                }
-            }
+            // A use on the home stream waits for the last use on another stream.
+            self.home_waits_for_last_foreign_use(home);
             return SyncOnDrop::Record(None);
         }
         let _guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
-        if self.foreign.load(Ordering::Acquire) {
-            // The previous use on another stream comes before this one: the home stream waits
-            // for it first (and what is recorded on or waited for on the home stream below comes
-            // after it).
-            if let Some(after) = self.after.get() {
-                if let Err(e) = wait_raw(home, after) {
-                    self.unordered(e);
-                }
-            }
-        }
+        // The previous use on another stream comes before this one too (and what is recorded on
+        // or waited for on the home stream below comes after it).
+        self.home_waits_for_last_foreign_use(home);
         let guard = if same_context {
             self.enter_same_context(home, other)
         } else {

@@ -143,6 +143,15 @@ pub(crate) struct Span {
     bits: [u64; WORDS],
 }
 
+impl Span {
+    /// Marks the pages of the object at `offset` (of `size` bytes) as in use again.
+    #[inline(always)]
+    fn unpurge(&mut self, offset: usize, size: usize, page_shift: u32) {
+        let (first, last) = (offset >> page_shift, (offset + size - 1) >> page_shift);
+        self.purged &= !(((2u32 << last) - (1u32 << first)) as u16);
+    }
+}
+
 /// Per-class sets of span indices, as hierarchical bitmaps in one zero-filled reservation: level 0
 /// has a bit per span, and a bit of level `k + 1` is set iff word of level `k` under it is non-zero,
 /// up to a top level of one word. Finding the lowest member takes one word per level (four for a
@@ -377,16 +386,10 @@ impl SmallHeap {
         let offset = (w * 64 + bit) * size;
         if span.purged != 0 {
             // The object's pages are in use again (the caller will touch them).
-            let (first, last) = (
-                offset >> self.page_shift,
-                (offset + size - 1) >> self.page_shift,
-            );
-            span.purged &= !(((2u32 << last) - (1u32 << first)) as u16);
+            span.unpurge(offset, size, self.page_shift);
         }
         if span.free == 0 {
-            // Full: the next lowest span with room becomes current.
-            self.sets.remove(c, i);
-            self.current[c] = self.sets.first(c).map_or(0, |j| j as u32 + 1);
+            self.filled(c, i);
         }
         self.bytes += size;
         self.objects += 1;
@@ -439,21 +442,25 @@ impl SmallHeap {
             if span.purged != 0 {
                 // The objects' pages are in use again (the callers will touch them).
                 for &p in &out[start..n] {
-                    let offset = p - base;
-                    let (first, last) = (offset >> page_shift, (offset + size - 1) >> page_shift);
-                    span.purged &= !(((2u32 << last) - (1u32 << first)) as u16);
+                    span.unpurge(p - base, size, page_shift);
                 }
             }
             if span.free == 0 {
-                // Full: the next lowest span with room becomes current.
-                self.sets.remove(c, i);
-                self.current[c] = self.sets.first(c).map_or(0, |j| j as u32 + 1);
+                self.filled(c, i);
             }
         }
         self.bytes += n * size;
         self.objects += n;
         self.allocs += n as u64;
         n
+    }
+
+    /// Class `c`'s current span `i` has just become full: the next lowest span with room becomes
+    /// current.
+    #[inline(always)]
+    fn filled(&mut self, c: usize, i: usize) {
+        self.sets.remove(c, i);
+        self.current[c] = self.sets.first(c).map_or(0, |j| j as u32 + 1);
     }
 
     /// Gives class `c`, which has no span with room ([`Self::alloc`] returned `None`, or

@@ -1,5 +1,6 @@
-//! The xorshift generator and log-uniform sizes shared by tests, benches and examples (the same
-//! sequence as bench-peers' `Rng`, so `examples/memory_breakdown.rs` replays its `churn`).
+//! The xorshift generator and log-uniform sizes shared by tests, benches and examples. `log_size`
+//! maps a draw to a size as bench-peers' does (its generator is splitmix64, so the sequences
+//! differ; the size distribution is the same).
 // Each includer uses some of the methods.
 #![allow(dead_code)]
 
