@@ -1102,7 +1102,16 @@ impl Heap {
         };
         let bfc = match Bfc::new(engine_config, source, table) {
             Ok(b) => b,
-            Err(_) => return None,
+            Err(_) => {
+                // (Unreachable with a validated `HostConfig`, but nothing is kept reserved.)
+                // SAFETY: both reservations were just made; nothing in them is used (the engine
+                // that would have used them was not built).
+                unsafe {
+                    os::unreserve(arena_mapping, arena_mapping_size);
+                    os::unreserve(meta_mapping, meta_mapping_size);
+                }
+                return None;
+            }
         };
         let heap = Heap {
             bfc,
@@ -1158,6 +1167,14 @@ impl Heap {
         self.brk = self.brk.max(ptr + size);
     }
 
+    /// Notes that the engine's block at `ptr` was handed out: all of it, which may be more than
+    /// was asked for (its caller may write up to `usable_size`).
+    #[inline]
+    fn note_block_allocated(&mut self, ptr: usize, asked: usize) {
+        let size = self.bfc.usable_size(ptr).unwrap_or(asked);
+        self.note_allocated(ptr, size);
+    }
+
     /// Bytes handed out to callers now.
     #[inline]
     fn in_use(&self) -> usize {
@@ -1195,7 +1212,7 @@ impl Heap {
         }
         match found {
             Ok(p) => {
-                self.note_allocated(p, size);
+                self.note_block_allocated(p, size);
                 self.note_peak(size);
                 p as *mut u8
             }
@@ -1251,6 +1268,17 @@ impl Heap {
 
     fn check(&self) -> Result<(), CheckError> {
         self.bfc.check()?;
+        // `brk` bounds every byte a caller may have touched (up to the chunk's end: `usable_size`).
+        if let Some(c) = self
+            .bfc
+            .chunks()
+            .find(|c| (c.in_use() || c.cached()) && c.ptr() + c.size() > self.brk)
+        {
+            return Err(CheckError {
+                what: "a block in use ends past the heap's recorded end of touched memory",
+                at: c.ptr(),
+            });
+        }
         self.small
             .check(self.brk)
             .map_err(|what| CheckError { what, at: 0 })?;
@@ -1426,10 +1454,11 @@ impl Heap {
             Err(e) => small_error(p, e, "realloc: "),
         }
         match self.bfc.resize_in_place(p, new_size) {
-            Ok(Resize::Done { freed, .. }) => {
+            Ok(Resize::Done { freed, size }) => {
                 match freed {
                     Some(f) => self.after_free(f),
-                    None => self.note_allocated(p, new_size),
+                    // The whole block: its caller may write up to `usable_size`.
+                    None => self.note_allocated(p, size),
                 }
                 self.note_peak(new_size);
                 ptr
@@ -2114,6 +2143,26 @@ mod tests {
             "{stderr}"
         );
         assert!(!stdout.contains("survived"));
+    }
+
+    #[test]
+    fn the_recorded_end_of_touched_memory_covers_whole_blocks() {
+        // A request that is not a multiple of the granule gets a larger block; its caller may write
+        // all of it (`usable_size`), so the heap's end of touched memory must cover it.
+        let a = small_instance();
+        let layout = Layout::from_size_align(5001, 8).unwrap();
+        // SAFETY: a non-zero size.
+        let p = unsafe { a.alloc(layout) };
+        assert!(!p.is_null());
+        assert_eq!(a.usable_size(p), Some(5008));
+        assert_eq!(a.check(), Ok(()));
+        // SAFETY: `p` came from `a.alloc(layout)`; grows it to a size that is no granule multiple.
+        let q = unsafe { a.realloc(p, layout, 9001) };
+        assert!(!q.is_null());
+        assert_eq!(a.usable_size(q), Some(9008));
+        assert_eq!(a.check(), Ok(()));
+        // SAFETY: `q` came from the realloc above, with the new size.
+        unsafe { a.dealloc(q, Layout::from_size_align(9001, 8).unwrap()) };
     }
 
     #[test]
