@@ -185,7 +185,7 @@ fn multi_gib_virtual_allocations() {
 fn zeroed_memory_is_zero_after_reuse() {
     let _g = heavy();
     unsafe {
-        for size in [24usize, 4000, 3 << 20] {
+        for size in [24usize, 4000, 200_000, 3 << 20] {
             let l = Layout::from_size_align(size, 8).unwrap();
             let p = alloc(l);
             p.write_bytes(0xff, size);

@@ -57,6 +57,12 @@
 //! [`GlobalBfc::release_free_memory`] returns every free page at once, including the pages of spans
 //! that hold no allocated object.
 //!
+//! The heap keeps the end of its touched memory: every byte ever handed out (a whole block, up to
+//! its `usable_size`) lies below it, and it moves down when the free top's pages go back. So
+//! `alloc_zeroed` writes only the part of a large block below that end; memory above it is still
+//! zero, and stays untouched until the caller writes it (a `vec![0; n]` of fresh memory costs no
+//! page). Below it, a block of at least `T` bytes is zeroed by returning its whole pages.
+//!
 //! # Errors
 //!
 //! Out of memory (including requests larger than the arena) returns null. Freeing a pointer the
@@ -1561,29 +1567,36 @@ unsafe impl GlobalAlloc for GlobalBfc {
             return p;
         }
         let threshold = self.config.release_threshold;
-        let Some((p, page)) =
-            self.with_heap(|h| (h.allocate(layout.size(), layout.align()), h.page))
-        else {
+        // `fresh`: the heap's end of touched memory before this allocation. Nothing was ever
+        // written at or above it (or its pages were returned), so that part of the block is zero.
+        let Some((p, page, fresh)) = self.with_heap(|h| {
+            let fresh = h.brk;
+            (h.allocate(layout.size(), layout.align()), h.page, fresh)
+        }) else {
             return ptr::null_mut();
         };
         if p.is_null() {
             return p;
         }
-        let size = layout.size();
+        // Only the block's part below `fresh` may hold old data.
+        let dirty = (p as usize + layout.size())
+            .min(fresh)
+            .saturating_sub(p as usize);
         let lo = (p as usize).next_multiple_of(page);
-        let hi = (p as usize + size) & !(page - 1);
-        if size >= threshold && hi > lo {
+        let hi = (p as usize + dirty) & !(page - 1);
+        if dirty >= threshold && hi > lo {
             // Large: zero the whole pages by giving them back (they fault in as zero pages), and
             // write only the partial pages at the ends.
-            // SAFETY: `lo..hi` is page-aligned inside the block we own; `p..lo` and `hi..end` too.
+            // SAFETY: `lo..hi` is page-aligned inside the block we own; `p..lo` and `hi..p + dirty`
+            // too.
             unsafe {
                 os::discard(lo, hi - lo);
                 ptr::write_bytes(p, 0, lo - p as usize);
-                ptr::write_bytes(hi as *mut u8, 0, p as usize + size - hi);
+                ptr::write_bytes(hi as *mut u8, 0, p as usize + dirty - hi);
             }
         } else {
-            // SAFETY: the block holds at least `size` bytes.
-            unsafe { ptr::write_bytes(p, 0, size) };
+            // SAFETY: the block holds at least `layout.size() >= dirty` bytes.
+            unsafe { ptr::write_bytes(p, 0, dirty) };
         }
         p
     }
@@ -2163,6 +2176,47 @@ mod tests {
         assert_eq!(a.check(), Ok(()));
         // SAFETY: `q` came from the realloc above, with the new size.
         unsafe { a.dealloc(q, Layout::from_size_align(9001, 8).unwrap()) };
+    }
+
+    /// How many of the pages of `p..p + len` (page-aligned) are resident.
+    fn resident_pages(p: *mut u8, len: usize) -> usize {
+        let page = os::page_size();
+        let mut v = std::vec![0u8; len.div_ceil(page)];
+        // SAFETY: `p..p + len` is a page-aligned mapped range; `v` has one byte per page.
+        let rc = unsafe { libc::mincore(p.cast(), len, v.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore");
+        v.iter().filter(|&&b| b & 1 != 0).count()
+    }
+
+    #[test]
+    fn zeroed_blocks_of_untouched_memory_are_not_written() {
+        let a = small_instance();
+        let size = 512 << 10; // below the release threshold: zeroed by writing
+        let layout = Layout::from_size_align(size, 4096).unwrap();
+        // SAFETY: a non-zero size.
+        let p = unsafe { a.alloc_zeroed(layout) };
+        assert!(!p.is_null());
+        assert_eq!(resident_pages(p, size), 0, "fresh memory was written");
+        // SAFETY: `p` holds `size` bytes.
+        let block = unsafe { core::slice::from_raw_parts_mut(p, size) };
+        assert!(block.iter().all(|&b| b == 0));
+        block.fill(0xa5);
+        // SAFETY: `p` came from `a.alloc_zeroed(layout)`.
+        unsafe { a.dealloc(p, layout) };
+        // The same memory again, now dirty, and more: the block straddles the end of touched memory.
+        let layout = Layout::from_size_align(2 * size, 4096).unwrap();
+        // SAFETY: a non-zero size.
+        let q = unsafe { a.alloc_zeroed(layout) };
+        assert!(!q.is_null());
+        assert!(
+            q <= p && p < q.wrapping_add(size),
+            "the dirty block was not reused"
+        );
+        // SAFETY: `q` holds `2 * size` bytes.
+        let block = unsafe { core::slice::from_raw_parts(q, 2 * size) };
+        assert!(block.iter().all(|&b| b == 0), "old data in a zeroed block");
+        // SAFETY: `q` came from `a.alloc_zeroed(layout)`.
+        unsafe { a.dealloc(q, layout) };
     }
 
     #[test]
