@@ -55,6 +55,8 @@ fn churn_sizes(a: &dyn GlobalAlloc, steps: usize, lo: usize, hi: usize) -> f64 {
     const LIVE: usize = 10_000;
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut live: Vec<(*mut u8, Layout)> = Vec::with_capacity(LIVE);
+    // SAFETY: non-zero layouts; each block is written within its size and freed once with its
+    // layout.
     unsafe {
         for _ in 0..LIVE {
             let l = Layout::from_size_align(rng.log_uniform(lo, hi), 8).unwrap();
@@ -85,6 +87,7 @@ fn pairs(a: &dyn GlobalAlloc, n: usize) -> f64 {
     let l = Layout::from_size_align(32, 8).unwrap();
     let t = Instant::now();
     for _ in 0..n {
+        // SAFETY: a non-zero layout; the block is freed once with it.
         unsafe {
             let p = a.alloc(l);
             black_box(p);
@@ -99,6 +102,8 @@ fn vec_growth(a: &dyn GlobalAlloc, rounds: usize) -> f64 {
     let mut pushes = 0usize;
     let t = Instant::now();
     for _ in 0..rounds {
+        // SAFETY: the buffer is allocated with a non-zero layout, reallocated with its current
+        // layout, written within its capacity, and freed once with its last layout.
         unsafe {
             let mut cap = 8usize;
             let mut l = Layout::from_size_align(cap, 8).unwrap();
@@ -125,6 +130,8 @@ fn large(a: &dyn GlobalAlloc, steps: usize) -> f64 {
     const LIVE: usize = 64;
     let mut rng = Rng(0x1234_5678_9abc_def1);
     let mut live: Vec<(*mut u8, Layout)> = Vec::with_capacity(LIVE);
+    // SAFETY: non-zero layouts; each block is written within its size and freed once with its
+    // layout.
     unsafe {
         for _ in 0..LIVE {
             let l = Layout::from_size_align(rng.log_uniform(64 << 10, 16 << 20), 8).unwrap();

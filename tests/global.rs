@@ -94,6 +94,8 @@ fn realloc_patterns_preserve_contents() {
     v.shrink_to_fit();
     assert_eq!(v, (0..10).collect::<Vec<_>>());
     // Grow and shrink in place and by moving, with a live neighbour in between.
+    // SAFETY: every block is allocated with a non-zero layout, used within its size, and freed or
+    // reallocated once with the layout it has.
     unsafe {
         let l = Layout::from_size_align(100, 16).unwrap();
         let p = alloc(l);
@@ -129,6 +131,8 @@ fn realloc_patterns_preserve_contents() {
 
 #[test]
 fn over_aligned_blocks() {
+    // SAFETY: non-zero layouts; each block is written within its size and freed once with its
+    // layout.
     unsafe {
         for shift in [5u32, 12, 16, 20, 21, 24, 26, 30] {
             let align = 1usize << shift;
@@ -155,6 +159,8 @@ fn over_aligned_blocks() {
 #[test]
 fn multi_gib_virtual_allocations() {
     let _g = heavy();
+    // SAFETY: non-zero layouts; the writes and reads stay inside the 8 GiB blocks, each freed once
+    // with its layout.
     unsafe {
         let l = Layout::from_size_align(8 << 30, 4096).unwrap();
         let p = alloc(l);
@@ -184,6 +190,8 @@ fn multi_gib_virtual_allocations() {
 #[test]
 fn zeroed_memory_is_zero_after_reuse() {
     let _g = heavy();
+    // SAFETY: non-zero layouts; each block is written within its size and freed once with its
+    // layout.
     unsafe {
         for size in [24usize, 4000, 200_000, 3 << 20] {
             let l = Layout::from_size_align(size, 8).unwrap();
@@ -199,6 +207,7 @@ fn zeroed_memory_is_zero_after_reuse() {
 
 #[test]
 fn larger_than_the_arena_returns_null() {
+    // SAFETY: non-zero layouts; null results are only compared, never used.
     unsafe {
         // `black_box`: an allocation whose pointer never escapes may be elided by the optimiser.
         let l = Layout::from_size_align(1 << 40, 8).unwrap(); // 1 TiB > 64 GiB arena
@@ -270,6 +279,8 @@ fn allocator_api2_allocate_and_grow() {
     use allocator_api2::alloc::Allocator;
     let l = Layout::from_size_align(48, 16).unwrap();
     let p = A.allocate(l).unwrap();
+    // SAFETY: `p` came from `A.allocate(l)`; each grow or shrink gets the block's current layout,
+    // and the block is freed once with its last one.
     unsafe {
         p.cast::<u8>().as_ptr().write_bytes(7, 48);
         let g = A
@@ -308,6 +319,8 @@ fn blocks_of_64_kib_or_more_start_at_64_kib_boundaries() {
         ..bfc_alloc::HostConfig::DEFAULT
     });
     let mut live = Vec::new();
+    // SAFETY: non-zero layouts; each block is written within its size and freed once with its
+    // layout.
     unsafe {
         // Interleaved with odd-sized medium blocks, so the free space is never aligned by chance.
         for (i, size) in [65_536usize, 70_001, 1 << 20, 3 << 20, 65_537, 200_000]
@@ -355,6 +368,7 @@ fn large_blocks_near_the_arena_limit_still_fit() {
             ..bfc_alloc::HostConfig::DEFAULT
         });
         let l = Layout::from_size_align(size, 8).unwrap();
+        // SAFETY: a non-zero layout; the block is written within its size and freed once with it.
         unsafe {
             let p = local.alloc(l);
             assert!(!p.is_null(), "{size} bytes in a 4 MiB arena");
@@ -371,6 +385,7 @@ fn a_private_instance_works_beside_the_global_one() {
         arena_size: 1 << 30,
         ..bfc_alloc::HostConfig::DEFAULT
     });
+    // SAFETY: a non-zero layout; the block is used within its size and freed once with it.
     unsafe {
         let l = Layout::from_size_align(1000, 8).unwrap();
         let p = local.alloc(l);
@@ -407,6 +422,8 @@ fn child_entry() {
     let Ok(case) = std::env::var(CHILD_ENV) else {
         return;
     };
+    // SAFETY: the child deliberately breaks the contract (a double free, a wrong pointer) to show
+    // the abort; it never returns to use the heap afterwards.
     unsafe {
         // `black_box`: the optimiser may elide an allocation whose pointer does not escape.
         let l = Layout::from_size_align(64, 8).unwrap();

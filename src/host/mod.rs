@@ -265,8 +265,8 @@ struct CacheLine<T>(T);
 #[cfg(feature = "std")]
 static NEXT_ID: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(1);
 
-/// Fork generation: incremented in every fork child by an atfork handler (installed with the first
-/// thread cache). A heap that sees a new generation rebuilds its cache registry (see
+/// Fork generation: incremented in every fork child by an atfork handler (installed by the first
+/// heap's initialisation). A heap that sees a new generation rebuilds its cache registry (see
 /// `Heap::after_fork`).
 #[cfg(all(feature = "std", not(loom)))]
 static FORK_GEN: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
@@ -848,7 +848,9 @@ impl GlobalBfc {
         &self.config
     }
 
-    /// Current counters (all zero before first use). `bytes_reserved` is the arena's address space.
+    /// Current counters. Initialises the heap (reserving the arena) if it was not yet used; all
+    /// zero if the arena cannot be reserved. `bytes_limit` is the arena's size, and `bytes_reserved`
+    /// equals it from the first allocation on (the arena is the engine's single region).
     ///
     /// `bytes_in_use` and `num_chunks_in_use` count blocks held by callers only: blocks waiting in
     /// thread caches are subtracted. `num_allocs` counts a small block when it leaves the slab layer
@@ -908,7 +910,8 @@ impl GlobalBfc {
         tcache::with(|tc| (tc.owner.get() == id).then(|| f(tc))).flatten()
     }
 
-    /// Size of the reserved arena (0 before first use or if it could not be reserved).
+    /// Size of the reserved arena. Initialises the heap if it was not yet used; 0 if the arena
+    /// cannot be reserved.
     pub fn arena_size(&self) -> usize {
         self.with_heap(|h| h.bfc.source().arena_size).unwrap_or(0)
     }
@@ -1544,7 +1547,9 @@ impl Drop for GlobalBfc {
 // SAFETY: blocks come from the engine, which hands out each byte to one block at a time, honours the
 // layout's alignment, and never returns memory that is still allocated; a thread cache only holds
 // blocks freed to it, each on one list, and hands each out once. Every error path returns null or
-// aborts, and nothing here allocates through the global allocator or panics.
+// aborts, and nothing here panics. The one call that may allocate is the registration of a thread
+// cache's exit flush, made while the cache is marked `BINDING`: an allocation it makes takes the
+// locked path (and so never reaches the half-bound cache), and never re-enters with the lock held.
 unsafe impl GlobalAlloc for GlobalBfc {
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
@@ -2072,7 +2077,9 @@ unsafe impl allocator_api2::alloc::Allocator for GlobalBfc {
             }
             return Ok(fresh);
         }
-        // SAFETY: forwarded contract; same alignment, smaller size: in place, never fails.
+        // SAFETY: forwarded contract; same alignment, smaller size. It may still move the block (a
+        // large block shrunk to a small size, or a small one into another class), and return null
+        // if that allocation fails, which is handled below.
         let p = unsafe { GlobalAlloc::realloc(self, ptr.as_ptr(), old, new.size()) };
         NonNull::new(p)
             .map(|p| NonNull::slice_from_raw_parts(p, new.size()))

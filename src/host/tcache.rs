@@ -8,8 +8,10 @@
 //! and the slab layer:
 //!
 //! - an empty stack is refilled with half its capacity;
-//! - a full stack gives half its blocks back, each checked by the slab layer (live, an object start,
-//!   of the stack's class), so a block that was freed twice or with the wrong layout is reported there;
+//! - a full stack gives half its blocks to the class's transfer cache in the heap (unchecked: the
+//!   next refill of the class takes them whole) or, when that is full, back to the slab layer, which
+//!   checks each one (live, an object start, of the stack's class), so a block that was freed twice
+//!   or with the wrong layout is reported there;
 //! - a thread's whole cache goes back when the thread exits;
 //! - [`GlobalBfc::flush_thread_cache`](super::GlobalBfc::flush_thread_cache) empties it on demand.
 //!
@@ -18,13 +20,15 @@
 //! slab layer, not the cache, remembers which span a block belongs to.
 //!
 //! **Bounds.** A class's stack holds at most [`bin_capacity`] blocks (about 16 KiB of blocks, at least
-//! 16 and at most 128 of them), so one thread caches at most [`MAX_CACHED_BYTES`] (575 KiB). The stacks
+//! 16 and at most 128 of them: 2 KiB for the 16-byte class, 64 KiB for the 4 KiB class), so one thread caches at most [`MAX_CACHED_BYTES`] (575 KiB). The stacks
 //! take 14 KiB of thread-local storage per thread.
 //!
 //! **Double frees.** A free of the block on top of its stack (a block freed twice in a row on one
-//! thread) is caught at once. Any other double free is caught when the cache gives the block back to
-//! the slab layer (a flush, thread exit or `flush_thread_cache`); until then the block may be handed
-//! out twice, as with jemalloc's and tcmalloc's thread caches.
+//! thread) is caught at once. Any other double free, and a free of a live block with a wrong small
+//! layout whose pointer is an object start of that class, is caught when the block reaches the slab
+//! layer (a flush that finds the transfer cache full, thread exit, `flush_thread_cache` or
+//! `release_free_memory`); until then the block may be handed out twice, as with jemalloc's and
+//! tcmalloc's thread caches.
 //!
 //! **Binding.** A cache serves one allocator instance: the first one that allocates or frees a small
 //! block on the thread, identified by a process-unique id (never an address, which a dropped
