@@ -468,10 +468,31 @@ fn child_entry() {
             }
             #[cfg(feature = "std")]
             "wrong_layout" => {
-                // A 64-byte block freed as a 16-byte one joins the 16-byte list; it is caught when
-                // the list is flushed.
+                // A 64-byte block freed as a 16-byte one: its span is of another class, so it does
+                // not join the 16-byte stack (where the next 16-byte allocation would take it); the
+                // free goes by the pointer.
                 dealloc(p, Layout::from_size_align(16, 8).unwrap());
-                A.flush_thread_cache();
+                eprintln!("check: {:?}", A.check());
+                eprintln!("still a block: {:?}", A.usable_size(p));
+                libc::_exit(0);
+            }
+            "large_freed_as_small" => {
+                // Any 16-byte-aligned offset is a 16-byte object start; a large block's start freed
+                // with a 16-byte layout must not join the 16-byte stack either.
+                let big = Layout::from_size_align(100_000, 8).unwrap();
+                let q = std::hint::black_box(alloc(big));
+                dealloc(q, Layout::from_size_align(16, 8).unwrap());
+                eprintln!("check: {:?}", A.check());
+                eprintln!("still a block: {:?}", A.usable_size(q));
+                libc::_exit(0);
+            }
+            "interior_large_as_small" => {
+                // A pointer into a large block, freed with a small layout: caught at the free (the
+                // child leaves through `_exit`, so no exit flush catches it later).
+                let big = Layout::from_size_align(100_000, 8).unwrap();
+                let q = std::hint::black_box(alloc(big));
+                dealloc(q.add(16), Layout::from_size_align(16, 8).unwrap());
+                libc::_exit(0);
             }
             "span_tail" => {
                 // 3072-byte objects fill 63 KiB of a 64 KiB span; the address just past the last
@@ -532,15 +553,29 @@ fn large_block_double_free_and_interior_free_abort() {
 
 #[cfg(feature = "std")]
 #[test]
-fn thread_cache_double_free_and_wrong_layout_abort() {
+fn thread_cache_double_frees_abort() {
     assert_aborts("double_free_flushed", "double free of pointer");
-    assert_aborts("wrong_layout", "size class is not the block's");
     assert_aborts("double_free_interleaved", "double free of pointer");
     let (_, stderr) = run_child("double_free_interleaved");
     assert!(
         stderr.contains("holding a block twice"),
         "check() did not report the doubled block: {stderr:?}"
     );
+}
+
+/// Debug builds: frees with a small layout of another class than the block's (or of a large block)
+/// are caught before they reach a thread cache: a bad pointer aborts at once, and a block's own
+/// start is freed as the block it is.
+#[cfg(all(feature = "std", debug_assertions))]
+#[test]
+fn a_free_with_another_class_never_reaches_a_thread_cache() {
+    for case in ["wrong_layout", "large_freed_as_small"] {
+        let (status, stderr) = run_child(case);
+        assert!(status.success(), "{case}: {status:?} {stderr}");
+        assert!(stderr.contains("check: Ok(())"), "{case}: {stderr}");
+        assert!(stderr.contains("still a block: None"), "{case}: {stderr}");
+    }
+    assert_aborts("interior_large_as_small", "into the middle of the block");
 }
 
 /// Allocates 3072-byte blocks (21 to a 64 KiB span, which leaves a 1 KiB tail) until one is a

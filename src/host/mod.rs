@@ -1031,6 +1031,7 @@ impl Heap {
             (config.chunk_capacity * core::mem::size_of::<Chunk>()).next_multiple_of(page);
         let span_entries = arena_size >> small::SPAN_SHIFT;
         let spans_bytes = (span_entries * SmallHeap::ENTRY).next_multiple_of(page);
+        let classes_bytes = span_entries.next_multiple_of(page);
         let set_words = small::SpanSets::words_for(span_entries);
         let sets_bytes = (set_words * core::mem::size_of::<u64>()).next_multiple_of(page);
         #[cfg(feature = "std")]
@@ -1039,8 +1040,14 @@ impl Heap {
         #[cfg(not(feature = "std"))]
         let transfer_bytes = 0;
         let anchor_bytes = core::mem::size_of::<Anchor>().next_multiple_of(page);
-        let meta_mapping_size =
-            map_bytes + table_bytes + spans_bytes + sets_bytes + transfer_bytes + anchor_bytes;
+        // The metadata reservation, in order: map, table, spans, classes, sets, transfer, anchor.
+        let table_at = map_bytes;
+        let spans_at = table_at + table_bytes;
+        let classes_at = spans_at + spans_bytes;
+        let sets_at = classes_at + classes_bytes;
+        let transfer_at = sets_at + sets_bytes;
+        let anchor_at = transfer_at + transfer_bytes;
+        let meta_mapping_size = anchor_at + anchor_bytes;
         let Some(meta_mapping) = os::reserve(meta_mapping_size) else {
             // SAFETY: the arena reservation was just made and is unused.
             unsafe { os::unreserve(arena_mapping, arena_mapping_size) };
@@ -1051,7 +1058,7 @@ impl Heap {
         // the life of the heap, which never outlives the mapping (unmapped only in `Drop`).
         let table: &'static mut [Chunk] = unsafe {
             core::slice::from_raw_parts_mut(
-                meta_mapping.as_ptr().add(map_bytes).cast::<Chunk>(),
+                meta_mapping.as_ptr().add(table_at).cast::<Chunk>(),
                 config.chunk_capacity,
             )
         };
@@ -1059,10 +1066,19 @@ impl Heap {
         // of the metadata reservation, alive as long as the heap.
         let spans: &'static mut [small::Span] = unsafe {
             core::slice::from_raw_parts_mut(
+                meta_mapping.as_ptr().add(spans_at).cast::<small::Span>(),
+                span_entries,
+            )
+        };
+        // SAFETY: as for the table: a zero-filled (all "not a span"), exclusively owned part of the
+        // metadata reservation, alive as long as the heap; `AtomicU8` has `u8`'s layout, and any
+        // byte is a valid one.
+        let classes: &'static [core::sync::atomic::AtomicU8] = unsafe {
+            core::slice::from_raw_parts(
                 meta_mapping
                     .as_ptr()
-                    .add(map_bytes + table_bytes)
-                    .cast::<small::Span>(),
+                    .add(classes_at)
+                    .cast::<core::sync::atomic::AtomicU8>(),
                 span_entries,
             )
         };
@@ -1070,10 +1086,7 @@ impl Heap {
         // of the metadata reservation, alive as long as the heap; any bytes are valid `u64`s.
         let sets: &'static mut [u64] = unsafe {
             core::slice::from_raw_parts_mut(
-                meta_mapping
-                    .as_ptr()
-                    .add(map_bytes + table_bytes + spans_bytes)
-                    .cast::<u64>(),
+                meta_mapping.as_ptr().add(sets_at).cast::<u64>(),
                 set_words,
             )
         };
@@ -1082,10 +1095,7 @@ impl Heap {
         #[cfg(feature = "std")]
         let transfer: &'static mut [usize] = unsafe {
             core::slice::from_raw_parts_mut(
-                meta_mapping
-                    .as_ptr()
-                    .add(map_bytes + table_bytes + spans_bytes + sets_bytes)
-                    .cast::<usize>(),
+                meta_mapping.as_ptr().add(transfer_at).cast::<usize>(),
                 tcache::TRANSFER_SLOTS,
             )
         };
@@ -1124,7 +1134,7 @@ impl Heap {
         };
         let heap = Heap {
             bfc,
-            small: SmallHeap::new(arena, page, spans, sets),
+            small: SmallHeap::new(arena, page, spans, classes, sets),
             peak: 0,
             largest: 0,
             span_allocs: 0,
@@ -1146,7 +1156,7 @@ impl Heap {
         let id = heap.id();
         let anchor = meta_mapping
             .as_ptr()
-            .wrapping_add(map_bytes + table_bytes + spans_bytes + sets_bytes + transfer_bytes)
+            .wrapping_add(anchor_at)
             .cast::<Anchor>();
         // SAFETY: the anchor area lies inside the fresh metadata reservation, page-aligned (so
         // aligned for `Anchor`), large enough, and used by nothing else; it stays mapped until
@@ -1755,6 +1765,7 @@ impl GlobalBfc {
                 .set(self.anchor.load(crate::sync::Ordering::Relaxed) as usize);
             tc.arena.set(h.small.arena());
             tc.arena_len.set(h.arena_end - h.small.arena());
+            tc.classes.set(h.small.classes());
             f(h)
         });
         if r.is_none() {

@@ -26,6 +26,8 @@
 //! lowest span in `sets[c]` (0 when the set is empty); only the current span may have no object
 //! allocated.
 
+use core::sync::atomic::{AtomicU8, Ordering::Relaxed};
+
 /// Largest small request.
 pub(crate) const SMALL_MAX: usize = 4096;
 /// Span size (and alignment).
@@ -308,6 +310,10 @@ pub(crate) struct SmallHeap {
     arena: usize,
     /// One entry per 64 KiB of arena (zero-filled reservation).
     spans: &'static mut [Span],
+    /// Per 64 KiB of arena: `Span::class`, mirrored for readers that do not hold the heap lock (the
+    /// thread caches' check of a free's layout). Written only here, under the lock, when a span is
+    /// made or released; a block's byte stays put while the block is allocated.
+    classes: &'static [AtomicU8],
     /// Per class: span index + 1 of the current span (the lowest in `sets`), 0 for none.
     current: [u32; NUM_CLASSES],
     /// Per class: the spans with a free object.
@@ -331,9 +337,11 @@ impl SmallHeap {
         arena: usize,
         page: usize,
         spans: &'static mut [Span],
+        classes: &'static [AtomicU8],
         sets: &'static mut [u64],
     ) -> Self {
         let n = spans.len();
+        assert!(classes.len() >= n, "span class table too short");
         let pages = SPAN / page.max(1);
         SmallHeap {
             arena,
@@ -343,6 +351,7 @@ impl SmallHeap {
                 0
             },
             spans,
+            classes,
             current: [0; NUM_CLASSES],
             sets: SpanSets::new(sets, n),
             bytes: 0,
@@ -357,6 +366,12 @@ impl SmallHeap {
     #[cfg_attr(not(feature = "std"), allow(dead_code))]
     pub(crate) fn arena(&self) -> usize {
         self.arena
+    }
+
+    /// The span class table (one byte per 64 KiB of arena: class + 1, or 0), for lock-free readers.
+    #[cfg_attr(not(feature = "std"), allow(dead_code))]
+    pub(crate) fn classes(&self) -> *const AtomicU8 {
+        self.classes.as_ptr()
     }
 
     /// Bytes of one span-table entry.
@@ -470,6 +485,7 @@ impl SmallHeap {
         debug_assert_eq!(self.current[c], 0);
         let i = (base - self.arena) >> SPAN_SHIFT;
         let cap = capacity(c);
+        self.classes[i].store(c as u8 + 1, Relaxed);
         let span = &mut self.spans[i];
         span.class = c as u8 + 1;
         span.free = cap as u16;
@@ -612,6 +628,7 @@ impl SmallHeap {
     fn release_span(&mut self, c: usize, i: usize) -> usize {
         self.sets.remove(c, i);
         self.spans[i].class = 0;
+        self.classes[i].store(0, Relaxed);
         self.spans_live -= 1;
         self.arena + (i << SPAN_SHIFT)
     }
@@ -684,7 +701,10 @@ impl SmallHeap {
                 }
             }
         }
-        for s in self.spans.iter().take(limit) {
+        for (s, k) in self.spans.iter().zip(self.classes).take(limit) {
+            if k.load(Relaxed) != s.class {
+                return Err("span class table disagrees with the span table");
+            }
             if s.class == 0 {
                 continue;
             }
@@ -719,7 +739,7 @@ impl SmallHeap {
     /// used).
     pub(crate) fn metadata_bytes(&self, brk: usize) -> usize {
         let entries = self.spans_below(brk);
-        entries * Self::ENTRY + self.sets.resident_bytes(entries.div_ceil(64))
+        entries * (Self::ENTRY + 1) + self.sets.resident_bytes(entries.div_ceil(64))
     }
 
     /// Span-table entries that can hold a span, given `brk` (the highest address ever handed out).
@@ -807,7 +827,8 @@ mod tests {
             })
             .collect();
         let sets = vec![0u64; SpanSets::words_for(spans)];
-        SmallHeap::new(ARENA, page, table.leak(), sets.leak())
+        let classes: Vec<AtomicU8> = (0..spans).map(|_| AtomicU8::new(0)).collect();
+        SmallHeap::new(ARENA, page, table.leak(), classes.leak(), sets.leak())
     }
 
     const ARENA: usize = 1 << 40;
