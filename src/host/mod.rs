@@ -2043,6 +2043,18 @@ unsafe impl allocator_api2::alloc::Allocator for GlobalBfc {
             .ok_or(allocator_api2::alloc::AllocError)
     }
 
+    fn allocate_zeroed(
+        &self,
+        layout: Layout,
+    ) -> Result<NonNull<[u8]>, allocator_api2::alloc::AllocError> {
+        // `alloc_zeroed` writes only memory that may hold old data (see the module docs).
+        // SAFETY: as for `allocate`.
+        let p = unsafe { GlobalAlloc::alloc_zeroed(self, layout) };
+        NonNull::new(p)
+            .map(|p| NonNull::slice_from_raw_parts(p, layout.size()))
+            .ok_or(allocator_api2::alloc::AllocError)
+    }
+
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
         // SAFETY: forwarded contract: `ptr` came from this allocator with `layout`.
         unsafe { GlobalAlloc::dealloc(self, ptr.as_ptr(), layout) }
@@ -2233,8 +2245,24 @@ mod tests {
         // SAFETY: `q` holds `2 * size` bytes.
         let block = unsafe { core::slice::from_raw_parts(q, 2 * size) };
         assert!(block.iter().all(|&b| b == 0), "old data in a zeroed block");
-        // SAFETY: `q` came from `a.alloc_zeroed(layout)`.
-        unsafe { a.dealloc(q, layout) };
+        // The `Allocator` trait's zeroed allocation too (fresh memory: `q` is still live).
+        let small = Layout::from_size_align(size, 4096).unwrap();
+        let r = allocator_api2::alloc::Allocator::allocate_zeroed(&a, small).unwrap();
+        let r = r.cast::<u8>();
+        assert!(
+            r.as_ptr() >= q.wrapping_add(2 * size),
+            "not above the touched memory"
+        );
+        assert_eq!(
+            resident_pages(r.as_ptr(), size),
+            0,
+            "fresh memory was written"
+        );
+        // SAFETY: `r` came from `allocate_zeroed(small)`; `q` from `a.alloc_zeroed(layout)`.
+        unsafe {
+            allocator_api2::alloc::Allocator::deallocate(&a, r, small);
+            a.dealloc(q, layout);
+        }
     }
 
     #[test]
