@@ -752,3 +752,53 @@ fn invalid_requests_are_errors() {
     assert_eq!(z.block_size(), 256);
     assert!(z.is_empty());
 }
+
+/// A `T` aligned to 4 KiB (more than the driver's 512 bytes).
+#[repr(C, align(4096))]
+struct Page([u8; 4096]);
+
+#[test]
+fn padding_of_over_aligned_regions_counts_against_the_limit() {
+    let dev = SimDevice::new(GIB);
+    // Another pool's region of 1 MiB + 512 bytes leaves the driver's next address off 4 KiB.
+    let other = pool(
+        &dev,
+        PoolOptions {
+            allow_growth: false,
+            ..PoolOptions::with_limit(MIB + 512)
+        },
+    );
+    let _o = alloc(&other, A, 100).unwrap();
+    let p = pool(&dev, PoolOptions::with_limit(4 * MIB));
+    // SAFETY: simulated memory is never read.
+    let a = unsafe { p.alloc::<Page>(&A, 256) }.unwrap();
+    assert_eq!(a.device_address() % 4096, 0);
+    assert_eq!(
+        dev.requests()[1..],
+        [2 * MIB, 2 * MIB + 4096],
+        "the first region was not over-allocated"
+    );
+    // The engine sees 2 MiB of its 4 MiB limit reserved, and grows by the 2 MiB left for a block
+    // that does not fit the first region; that region's padding would take the pool's memory from
+    // the driver past the limit, so a smaller region is taken.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        // SAFETY: as above.
+        if let Ok(b) = unsafe { p.alloc::<Page>(&A, 384) } {
+            held.push(b);
+        }
+        let mine = dev.bytes_live() - (MIB + 512);
+        assert!(
+            mine <= 4 * MIB,
+            "the pool holds {mine} bytes, over its 4 MiB limit"
+        );
+    }
+    assert_eq!(
+        held.len(),
+        1,
+        "1.5 MiB blocks: one fits beside the first block's region"
+    );
+    assert_eq!(p.stats().allocator.num_regions, 2);
+    drop(a);
+    p.check().unwrap();
+}

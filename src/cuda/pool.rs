@@ -43,7 +43,7 @@ pub struct PoolOptions {
     pub allow_growth: bool,
     /// First region size when growing (default 2 MiB).
     pub initial_region_size: usize,
-    /// The cap on memory obtained from the driver.
+    /// The cap on memory obtained from the driver (padding of over-aligned regions included).
     pub limit: MemoryLimit,
     /// Capacity of the chunk table, in chunk records of 32 bytes of host memory each (default 2^18).
     pub chunk_capacity: usize,
@@ -597,7 +597,8 @@ impl<B: DeviceBackend> DevicePool<B> {
         };
         let ordinal = backend.ordinal();
         let table = std::vec![Chunk::EMPTY; options.chunk_capacity];
-        let bfc = Bfc::new(config, DeviceSource::new(backend), table).map_err(PoolError::Config)?;
+        let bfc = Bfc::new(config, DeviceSource::new(backend, limit), table)
+            .map_err(PoolError::Config)?;
         Ok(DevicePool {
             shared: Arc::new(Shared {
                 ordinal,

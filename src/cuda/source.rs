@@ -1,6 +1,7 @@
 //! The engine's memory source over a device back end.
 
 use core::ptr::NonNull;
+use std::format;
 use std::vec::Vec;
 
 use super::backend::{BackendError, DeviceBackend};
@@ -10,9 +11,15 @@ use crate::core::{ChunkHandle, MemorySource};
 /// Regions from the driver (`cuMemAlloc`), pointer maps in host memory.
 pub(crate) struct DeviceSource<B> {
     pub(crate) backend: B,
-    /// Live regions: `(base handed to the engine, pointer from the driver)`. They differ only when
-    /// the driver's pointer was not aligned enough and the region was over-allocated.
-    raw: Vec<(usize, u64)>,
+    /// Live regions: `(base handed to the engine, pointer from the driver, bytes from the driver)`.
+    /// Base and pointer differ only when the driver's pointer was not aligned enough and the region
+    /// was over-allocated.
+    raw: Vec<(usize, u64, usize)>,
+    /// Sum of the live regions' bytes from the driver, padding included.
+    raw_bytes: usize,
+    /// The pool's limit on `raw_bytes` (the engine's `memory_limit` counts only region sizes, not
+    /// the padding of an over-allocated region).
+    limit: usize,
     /// Live pointer maps.
     maps: HeapMaps,
     /// The driver's last refusal of a region (for the out-of-memory report).
@@ -22,10 +29,12 @@ pub(crate) struct DeviceSource<B> {
 }
 
 impl<B: DeviceBackend> DeviceSource<B> {
-    pub(crate) fn new(backend: B) -> Self {
+    pub(crate) fn new(backend: B, limit: usize) -> Self {
         DeviceSource {
             backend,
             raw: Vec::new(),
+            raw_bytes: 0,
+            limit,
             maps: HeapMaps::new(),
             last_refusal: None,
             free_errors: Vec::new(),
@@ -33,6 +42,21 @@ impl<B: DeviceBackend> DeviceSource<B> {
     }
 
     fn alloc_raw(&mut self, bytes: usize) -> Option<u64> {
+        if self
+            .raw_bytes
+            .checked_add(bytes)
+            .is_none_or(|b| b > self.limit)
+        {
+            self.last_refusal = Some(BackendError::new(
+                "cuMemAlloc",
+                format!(
+                    "not called: {bytes} more bytes would take the pool past its limit of {} \
+                     (an over-aligned region's padding counts)",
+                    self.limit
+                ),
+            ));
+            return None;
+        }
         match self.backend.mem_alloc(bytes) {
             Ok(p) => Some(p),
             Err(e) => {
@@ -60,7 +84,8 @@ unsafe impl<B: DeviceBackend> MemorySource for DeviceSource<B> {
         let p = self.alloc_raw(size)?;
         match usize::try_from(p) {
             Ok(base) if base % align == 0 && base.checked_add(size).is_some() => {
-                self.raw.push((base, p));
+                self.raw.push((base, p, size));
+                self.raw_bytes += size;
                 return Some(base);
             }
             _ => self.free_raw(p),
@@ -75,7 +100,8 @@ unsafe impl<B: DeviceBackend> MemorySource for DeviceSource<B> {
             .filter(|b| b.checked_add(size).is_some());
         match aligned {
             Some(base) => {
-                self.raw.push((base, p));
+                self.raw.push((base, p, padded));
+                self.raw_bytes += padded;
                 Some(base)
             }
             None => {
@@ -86,8 +112,9 @@ unsafe impl<B: DeviceBackend> MemorySource for DeviceSource<B> {
     }
 
     unsafe fn free_region(&mut self, base: usize, _size: usize) {
-        if let Some(i) = self.raw.iter().position(|&(b, _)| b == base) {
-            let (_, p) = self.raw.swap_remove(i);
+        if let Some(i) = self.raw.iter().position(|&(b, _, _)| b == base) {
+            let (_, p, bytes) = self.raw.swap_remove(i);
+            self.raw_bytes -= bytes;
             self.free_raw(p);
         }
     }
