@@ -58,7 +58,8 @@
 //! that hold no allocated object.
 //!
 //! The heap keeps the end of its touched memory: every byte ever handed out (a whole block, up to
-//! its `usable_size`) lies below it, and it moves down when the free top's pages go back. So
+//! its `usable_size`) lies below it, and it moves down only over pages of the free top that the
+//! kernel took back (it refuses locked pages: `mlock`, `mlockall`). So
 //! `alloc_zeroed` writes only the part of a large block below that end; memory above it is still
 //! zero, and stays untouched until the caller writes it (a `vec![0; n]` of fresh memory costs no
 //! page). Below it, a block of at least `T` bytes is zeroed by returning its whole pages.
@@ -193,7 +194,8 @@ unsafe impl MemorySource for HostSource {
     unsafe fn free_region(&mut self, base: usize, size: usize) {
         debug_assert_eq!(base, self.arena);
         // SAFETY: the region is our arena's prefix (page-aligned start) and holds nothing in use.
-        unsafe { os::discard(base, size & !(self.page - 1)) };
+        // (A refusal only keeps the pages resident; `brk` does not move.)
+        let _ = unsafe { os::discard(base, size & !(self.page - 1)) };
         self.region_out = false;
     }
 
@@ -214,7 +216,7 @@ unsafe impl MemorySource for HostSource {
         let bytes = entries * core::mem::size_of::<Option<ChunkHandle>>();
         // SAFETY: the map starts the metadata reservation (page-aligned); zeroing its pages makes it
         // ready for the next `alloc_map`. The engine no longer uses it.
-        unsafe { os::discard(map.as_ptr() as usize, bytes.next_multiple_of(self.page)) };
+        unsafe { os::discard_or_zero(map.as_ptr() as usize, bytes.next_multiple_of(self.page)) };
     }
 }
 
@@ -875,8 +877,9 @@ impl GlobalBfc {
             h.drain_transfer();
             let brk = h.brk;
             let purged = h.small.purge(brk, |a, l| {
-                // SAFETY: whole pages of a span holding no allocated object.
-                unsafe { os::discard(a, l) }
+                // SAFETY: whole pages of a span holding no allocated object. (If the kernel refuses,
+                // they only stay resident: nothing relies on a span's free pages reading as zero.)
+                let _ = unsafe { os::discard(a, l) };
             });
             h.sweep(1, false) + purged
         })
@@ -1288,10 +1291,12 @@ impl Heap {
     fn check(&self) -> Result<(), CheckError> {
         self.bfc.check()?;
         // `brk` bounds every byte a caller may have touched (up to the chunk's end: `usable_size`).
+        // (A chunk in a quick list may lie above it: a trim lowers `brk` over free memory, and the
+        // chunk is free to callers. Handing it out raises `brk` again.)
         if let Some(c) = self
             .bfc
             .chunks()
-            .find(|c| (c.in_use() || c.cached()) && c.ptr() + c.size() > self.brk)
+            .find(|c| c.allocated() && c.ptr() + c.size() > self.brk)
         {
             return Err(CheckError {
                 what: "a block in use ends past the heap's recorded end of touched memory",
@@ -1348,8 +1353,10 @@ impl Heap {
             let keep = (f.merged_ptr + retain).next_multiple_of(page);
             if self.brk > keep && self.brk - f.merged_ptr >= 2 * retain {
                 // SAFETY: `keep..brk` is page-aligned (brk rounded up) and inside the free top chunk.
-                unsafe { os::discard(keep, self.brk.next_multiple_of(page) - keep) };
-                self.brk = keep;
+                // `brk` moves down only if the pages now read as zero (`alloc_zeroed` relies on it).
+                if unsafe { os::discard(keep, self.brk.next_multiple_of(page) - keep) } {
+                    self.brk = keep;
+                }
             }
             return;
         }
@@ -1367,8 +1374,8 @@ impl Heap {
             };
             if hi > lo {
                 // SAFETY: `lo..hi` is page-aligned and inside the merged free chunk, hence inside the
-                // arena and holding nothing in use.
-                unsafe { os::discard(lo, hi - lo) };
+                // arena and holding nothing in use. (A refusal only keeps the pages resident.)
+                let _ = unsafe { os::discard(lo, hi - lo) };
                 self.dirty -= f.size;
             }
             return;
@@ -1402,12 +1409,13 @@ impl Heap {
         self.bfc.sweep_dirty(min.max(page), aging, |ptr, size| {
             let lo = ptr.next_multiple_of(page);
             let hi = ((ptr + size) & !(page - 1)).min(brk);
-            if hi > lo {
-                // SAFETY: whole pages inside a free chunk of the arena.
-                unsafe { os::discard(lo, hi - lo) };
+            // SAFETY: whole pages inside a free chunk of the arena.
+            let zeroed = hi <= lo || unsafe { os::discard(lo, hi - lo) };
+            if hi > lo && zeroed {
                 covered += hi - lo;
             }
-            if ptr + size == arena_end {
+            // `brk` moves down only over pages that now read as zero (`alloc_zeroed` relies on it).
+            if ptr + size == arena_end && zeroed {
                 new_brk = new_brk.min(lo);
             }
         });
@@ -1605,7 +1613,7 @@ unsafe impl GlobalAlloc for GlobalBfc {
             // SAFETY: `lo..hi` is page-aligned inside the block we own; `p..lo` and `hi..p + dirty`
             // too.
             unsafe {
-                os::discard(lo, hi - lo);
+                os::discard_or_zero(lo, hi - lo);
                 ptr::write_bytes(p, 0, lo - p as usize);
                 ptr::write_bytes(hi as *mut u8, 0, p as usize + dirty - hi);
             }
@@ -2245,7 +2253,13 @@ mod tests {
         // SAFETY: `q` holds `2 * size` bytes.
         let block = unsafe { core::slice::from_raw_parts(q, 2 * size) };
         assert!(block.iter().all(|&b| b == 0), "old data in a zeroed block");
-        // The `Allocator` trait's zeroed allocation too (fresh memory: `q` is still live).
+        // The `Allocator` trait's zeroed allocation too, of fresh memory (`q` is still live), 2 MiB
+        // past the memory written above (with transparent huge pages always on, a write faults
+        // in its whole 2 MiB-aligned page).
+        let gap = Layout::from_size_align(2 << 20, 4096).unwrap();
+        // SAFETY: a non-zero size; never written.
+        let spacer = unsafe { a.alloc(gap) };
+        assert!(!spacer.is_null());
         let small = Layout::from_size_align(size, 4096).unwrap();
         let r = allocator_api2::alloc::Allocator::allocate_zeroed(&a, small).unwrap();
         let r = r.cast::<u8>();
@@ -2258,11 +2272,57 @@ mod tests {
             0,
             "fresh memory was written"
         );
-        // SAFETY: `r` came from `allocate_zeroed(small)`; `q` from `a.alloc_zeroed(layout)`.
+        // SAFETY: `r` came from `allocate_zeroed(small)`, `spacer` from `a.alloc(gap)`, `q` from
+        // `a.alloc_zeroed(layout)`.
         unsafe {
             allocator_api2::alloc::Allocator::deallocate(&a, r, small);
+            a.dealloc(spacer, gap);
             a.dealloc(q, layout);
         }
+    }
+
+    #[test]
+    fn pages_the_kernel_keeps_are_still_zeroed() {
+        // A locked page cannot be discarded (`madvise` fails on it and skips the rest of the range),
+        // so the free top keeps its end of touched memory and `alloc_zeroed` writes the zeros.
+        let a = GlobalBfc::with_config(HostConfig {
+            arena_size: 256 << 20,
+            min_arena_size: 256 << 20,
+            chunk_capacity: 1 << 12,
+            ..HostConfig::DEFAULT
+        });
+        let size = MAX_RETAIN; // freed whole at once: the trim covers it
+        let layout = Layout::from_size_align(size, 4096).unwrap();
+        // SAFETY: a non-zero size.
+        let p = unsafe { a.alloc(layout) };
+        assert!(!p.is_null());
+        // SAFETY: `p` holds `size` bytes.
+        unsafe { p.write_bytes(0xa5, size) };
+        let locked = p.wrapping_add(size / 2);
+        // SAFETY: one page inside the block.
+        if unsafe { libc::mlock(locked.cast(), 4096) } != 0 {
+            std::println!(
+                "skipped: mlock refused ({}); raise RLIMIT_MEMLOCK to run this test",
+                std::io::Error::last_os_error()
+            );
+            // SAFETY: `p` came from `a.alloc(layout)`.
+            unsafe { a.dealloc(p, layout) };
+            return;
+        }
+        // SAFETY: `p` came from `a.alloc(layout)`.
+        unsafe { a.dealloc(p, layout) };
+        // SAFETY: a non-zero size.
+        let q = unsafe { a.alloc_zeroed(layout) };
+        assert_eq!(q, p, "the freed block was not reused");
+        // SAFETY: `q` holds `size` bytes.
+        let block = unsafe { core::slice::from_raw_parts(q, size) };
+        let stale = block.iter().position(|&b| b != 0);
+        // SAFETY: the page locked above.
+        unsafe { libc::munlock(locked.cast(), 4096) };
+        assert_eq!(stale, None, "alloc_zeroed returned old data");
+        assert_eq!(a.check(), Ok(()));
+        // SAFETY: `q` came from `a.alloc_zeroed(layout)`.
+        unsafe { a.dealloc(q, layout) };
     }
 
     #[test]

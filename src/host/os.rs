@@ -49,24 +49,28 @@ pub(crate) unsafe fn unreserve(ptr: NonNull<u8>, size: usize) {
     unsafe { libc::munmap(ptr.as_ptr().cast(), size) };
 }
 
-/// Returns the pages of `ptr..ptr + size` to the kernel; they read as zero afterwards.
+/// Returns the pages of `ptr..ptr + size` to the kernel. Returns whether it worked: only then do
+/// they read as zero afterwards. The kernel refuses locked pages (`mlock`, `mlockall`), and then
+/// may have returned only part of the range.
 ///
 /// # Safety
 /// The range is page-aligned, inside a mapping made by [`reserve`], and holds nothing anyone needs.
-pub(crate) unsafe fn discard(ptr: usize, size: usize) {
+#[must_use = "only a successful discard zeroes the range"]
+pub(crate) unsafe fn discard(ptr: usize, size: usize) -> bool {
     if size == 0 {
-        return;
+        return true;
     }
     // Miri implements no `madvise`: zero the range, which is what the caller may observe.
     #[cfg(miri)]
     // SAFETY: guaranteed by the caller: the range is ours and unused.
     unsafe {
         core::ptr::write_bytes(ptr as *mut u8, 0, size);
+        true
     }
     #[cfg(all(not(miri), any(target_os = "linux", target_os = "android")))]
     // SAFETY: guaranteed by the caller; MADV_DONTNEED on private anonymous memory zero-fills.
     unsafe {
-        libc::madvise(ptr as *mut libc::c_void, size, libc::MADV_DONTNEED);
+        libc::madvise(ptr as *mut libc::c_void, size, libc::MADV_DONTNEED) == 0
     }
     #[cfg(all(not(miri), not(any(target_os = "linux", target_os = "android"))))]
     // SAFETY: guaranteed by the caller; a fixed anonymous mapping over our own range replaces its
@@ -79,7 +83,21 @@ pub(crate) unsafe fn discard(ptr: usize, size: usize) {
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
             -1,
             0,
-        );
+        ) != libc::MAP_FAILED
+    }
+}
+
+/// Makes `ptr..ptr + size` read as zero: returns its pages to the kernel, or, where the kernel
+/// refuses, writes the zeros.
+///
+/// # Safety
+/// As for [`discard`].
+pub(crate) unsafe fn discard_or_zero(ptr: usize, size: usize) {
+    // SAFETY: forwarded contract; on failure the range is still ours, mapped and writable.
+    unsafe {
+        if !discard(ptr, size) {
+            core::ptr::write_bytes(ptr as *mut u8, 0, size);
+        }
     }
 }
 
