@@ -2179,6 +2179,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "spawns a child process")]
     fn a_panic_under_the_heap_lock_aborts() {
         let case = "a_panic_under_the_heap_lock_aborts";
         if is_child(case) {
@@ -2227,6 +2228,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri has no mincore")]
     fn zeroed_blocks_of_untouched_memory_are_not_written() {
         let a = small_instance();
         let size = 512 << 10; // below the release threshold: zeroed by writing
@@ -2282,6 +2284,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri has no mlock")]
     fn pages_the_kernel_keeps_are_still_zeroed() {
         // A locked page cannot be discarded (`madvise` fails on it and skips the rest of the range),
         // so the free top keeps its end of touched memory and `alloc_zeroed` writes the zeros.
@@ -2326,6 +2329,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "Miri aborts on the 2^61-byte reservation instead of refusing it"
+    )]
     fn a_failed_instance_answers_without_the_global_lock() {
         use std::sync::atomic::{AtomicBool, Ordering};
         let a = GlobalBfc::with_config(HostConfig {
@@ -2365,6 +2372,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "spawns a child process")]
     fn fork_handlers_run_twice_hold_the_locks_until_the_last_call() {
         // A child forked while `pthread_once` ran the registration registers the handlers again,
         // and libc then runs each twice per fork (prepare handlers in reverse order, the others in
