@@ -802,3 +802,120 @@ fn padding_of_over_aligned_regions_counts_against_the_limit() {
     drop(a);
     p.check().unwrap();
 }
+
+// ---- Tests written to kill surviving mutants (a mutation-testing pass over the pool) ----
+
+#[test]
+fn same_stream_reuse_honours_the_alignment() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let _s = alloc(&p, A, 256).unwrap();
+    let x = alloc(&p, A, 16384).unwrap();
+    assert_ne!(
+        x.device_address() % 4096,
+        0,
+        "the setup needs a block off 4 KiB"
+    );
+    drop(x);
+    // SAFETY: simulated memory is never read.
+    let page = unsafe { p.alloc::<Page>(&A, 4) }.unwrap();
+    assert_eq!(page.device_address() % 4096, 0);
+}
+
+#[test]
+fn same_stream_reuse_takes_the_smallest_block_that_fits() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(
+        &dev,
+        PoolOptions {
+            initial_region_size: 16 * MIB,
+            ..PoolOptions::with_limit(64 * MIB)
+        },
+    );
+    let big = alloc(&p, A, 3 * MIB / 2).unwrap();
+    let small = alloc(&p, A, MIB).unwrap();
+    assert_eq!((big.block_size(), small.block_size()), (3 * MIB / 2, MIB));
+    let small_at = small.device_address();
+    drop(big);
+    drop(small);
+    assert_eq!(alloc(&p, A, MIB).unwrap().device_address(), small_at);
+}
+
+#[test]
+fn a_later_batch_does_not_delay_an_earlier_one() {
+    // `x` and `y` are closed with two events; once the first completes, `x` serves another stream
+    // although `y`'s work is still queued.
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let x = alloc(&p, A, MIB).unwrap();
+    let x_at = x.device_address();
+    let y = alloc(&p, A, MIB).unwrap();
+    dev.enqueue(A);
+    drop(x);
+    p.trim();
+    let first = dev.queued(A);
+    dev.enqueue(A);
+    drop(y);
+    p.trim();
+    assert_eq!(dev.recorded(A), 2);
+    dev.complete_to(A, first);
+    assert_eq!(alloc(&p, B, MIB).unwrap().device_address(), x_at);
+}
+
+#[test]
+fn events_of_returned_blocks_are_recycled() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let x = alloc(&p, A, MIB).unwrap();
+    dev.enqueue(A);
+    drop(x);
+    p.trim(); // the stream is busy: an event orders the block
+    assert_eq!(dev.recorded(A), 1);
+    dev.complete_all();
+    p.trim(); // the event completed: the block goes back, the event is recycled
+    assert_eq!(p.stats().pending_blocks, 0);
+    assert_eq!(dev.events_recycled(), 1);
+}
+
+#[test]
+fn deferred_errors_keep_the_newest() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    // One old error, then more new ones than the pool keeps.
+    dev.set_fail_stream_query(true);
+    drop(alloc(&p, A, MIB).unwrap());
+    p.trim();
+    dev.set_fail_stream_query(false);
+    dev.set_fail_event_record(true);
+    let c = alloc(&p, A, 2 * MIB).unwrap();
+    dev.enqueue(A);
+    drop(c);
+    for _ in 0..64 {
+        p.trim();
+    }
+    dev.set_fail_event_record(false);
+    let errors: Vec<String> = p.take_errors().iter().map(|e| e.to_string()).collect();
+    assert_eq!(errors.len(), 64);
+    assert!(
+        errors.iter().all(|e| e.contains("cuEventRecord")),
+        "the oldest error was kept: {:?}",
+        &errors[..2]
+    );
+}
+
+#[test]
+fn a_region_freed_while_out_of_memory_is_reused_not_returned() {
+    // At the limit, `b` misses; waiting for the pending free of `a` gives its whole region back to
+    // the engine, which serves the request from it without a round trip through the driver.
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(6 * MIB));
+    let a = alloc(&p, A, 2 * MIB).unwrap();
+    let a_at = a.device_address();
+    let _b = alloc(&p, B, 4 * MIB).unwrap();
+    dev.enqueue(A);
+    drop(a);
+    let c = alloc(&p, B, MIB).unwrap();
+    assert_eq!(c.device_address(), a_at);
+    assert_eq!(dev.requests(), vec![2 * MIB, 4 * MIB]);
+    assert_eq!(dev.frees(), 0);
+}

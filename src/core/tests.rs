@@ -518,3 +518,244 @@ fn an_exactly_fitting_aligned_hole_is_reused() {
     assert_ne!(aligned, blocks[1] + 256);
     assert_eq!(aligned % span, 0);
 }
+
+// ---- Tests written to kill surviving mutants (a mutation-testing pass over this module) ----
+
+/// `config` without quick lists, so frees go straight to the bins.
+fn without_quick_lists(mut config: Config) -> Config {
+    config.quick_max_size = 0;
+    config
+}
+
+#[test]
+fn a_block_of_the_largest_quick_size_is_reused_from_its_quick_list() {
+    let mut b = engine(Config::host(1 << 30));
+    let largest = b.config().quick_max_size;
+    let p = alloc(&mut b, largest, 16);
+    let _guard = alloc(&mut b, 16, 16);
+    free(&mut b, p);
+    assert_eq!(b.stats().num_cached_chunks, 1);
+    assert_eq!(alloc(&mut b, largest, 16), p);
+    assert_eq!(
+        b.stats().num_cached_chunks,
+        0,
+        "taken from the bins instead"
+    );
+}
+
+#[test]
+fn the_best_fit_within_a_bin_is_taken() {
+    // Holes of 65 and 67 granules share a bin; 64 granules fit both, best in the smaller.
+    let mut b = engine(without_quick_lists(Config::host(1 << 30)));
+    let small = alloc(&mut b, 65 * 16, 16);
+    let _g1 = alloc(&mut b, 16, 16);
+    let large = alloc(&mut b, 67 * 16, 16);
+    let _g2 = alloc(&mut b, 16, 16);
+    free(&mut b, large);
+    free(&mut b, small);
+    assert_eq!(alloc(&mut b, 64 * 16, 16), small);
+}
+
+#[test]
+fn the_fit_scan_goes_on_until_a_chunk_fits() {
+    // Eight 64-granule holes ahead of a 67-granule one in the same bin: none of the first eight
+    // fits 66 granules, so the scan must not stop at its limit before finding one.
+    let mut b = engine(without_quick_lists(Config::host(1 << 30)));
+    let big = alloc(&mut b, 67 * 16, 16);
+    let _g = alloc(&mut b, 16, 16);
+    let smalls: Vec<usize> = (0..8)
+        .map(|_| {
+            let s = alloc(&mut b, 64 * 16, 16);
+            alloc(&mut b, 16, 16);
+            s
+        })
+        .collect();
+    free(&mut b, big);
+    for s in smalls {
+        free(&mut b, s);
+    }
+    assert_eq!(alloc(&mut b, 66 * 16, 16), big);
+}
+
+#[test]
+fn an_aligned_block_fits_a_hole_in_the_highest_searched_bin() {
+    let mut b = engine(Config::device(1 << 30));
+    let hole = alloc(&mut b, 500 * 256, 1 << 16);
+    let _g = alloc(&mut b, 256, 1);
+    free(&mut b, hole);
+    assert_eq!(alloc(&mut b, 1 << 16, 1 << 16), hole);
+}
+
+#[test]
+fn a_chunk_merged_with_a_swept_neighbour_is_swept_again() {
+    // `a` was swept (clean); `x`, freed next to it, is dirty, so the merged chunk is dirty.
+    let mut b = engine(Config::device(1 << 30));
+    let mb = 1 << 20;
+    let (a, x, _g) = (
+        alloc(&mut b, mb, 1),
+        alloc(&mut b, mb, 1),
+        alloc(&mut b, mb, 1),
+    );
+    free(&mut b, a);
+    b.sweep_dirty(0, false, |_, _| {});
+    free(&mut b, x);
+    let mut swept = Vec::new();
+    b.sweep_dirty(0, false, |p, s| swept.push((p, s)));
+    assert!(swept.contains(&(a, 2 * mb)), "{swept:?}");
+}
+
+#[test]
+fn a_chunk_merged_with_a_fresh_free_is_not_aged() {
+    // With aging, a chunk goes back only if it stayed free since the previous sweep: `x` did not.
+    let mut b = engine(Config::device(1 << 30));
+    let mb = 1 << 20;
+    let (a, x, _g) = (
+        alloc(&mut b, mb, 1),
+        alloc(&mut b, mb, 1),
+        alloc(&mut b, mb, 1),
+    );
+    free(&mut b, a);
+    b.sweep_dirty(0, true, |_, _| {});
+    free(&mut b, x);
+    let mut swept = Vec::new();
+    b.sweep_dirty(0, true, |p, s| swept.push((p, s)));
+    assert!(!swept.iter().any(|&(p, _)| p == a), "{swept:?}");
+}
+
+/// A dirty free chunk of 1.5 MiB at the returned address, followed by a live guard block.
+fn dirty_free_chunk(b: &mut Sim) -> usize {
+    let a = alloc(b, 1536 << 10, 1);
+    let _guard = alloc(b, 256 << 10, 1);
+    free(b, a);
+    a
+}
+
+#[test]
+fn the_tail_split_off_a_dirty_chunk_stays_dirty() {
+    let mut b = engine(Config::device(1 << 30));
+    let a = dirty_free_chunk(&mut b);
+    assert_eq!(alloc(&mut b, 512 << 10, 1), a);
+    let mut swept = Vec::new();
+    b.sweep_dirty(0, false, |p, s| swept.push((p, s)));
+    assert!(
+        swept.iter().any(|&(p, _)| p == a + (512 << 10)),
+        "{swept:?}"
+    );
+}
+
+#[test]
+fn the_tail_split_off_an_aged_chunk_stays_aged() {
+    let mut b = engine(Config::device(1 << 30));
+    let a = dirty_free_chunk(&mut b);
+    b.sweep_dirty(0, true, |_, _| {});
+    assert_eq!(alloc(&mut b, 512 << 10, 1), a);
+    let mut swept = Vec::new();
+    b.sweep_dirty(0, true, |p, s| swept.push((p, s)));
+    assert!(
+        swept.iter().any(|&(p, _)| p == a + (512 << 10)),
+        "{swept:?}"
+    );
+}
+
+#[test]
+fn releasing_free_regions_flushes_the_quick_lists_first() {
+    let mut b = engine(Config::host(1 << 20));
+    let p = alloc(&mut b, 100, 16);
+    free(&mut b, p);
+    assert_eq!(b.stats().num_cached_chunks, 1);
+    assert_eq!(b.release_free_regions(), 1 << 20);
+    checked(&b);
+}
+
+#[test]
+fn growing_for_a_large_request_does_not_double_again() {
+    let mut config = Config::device(1 << 30);
+    config.initial_region_size = 1 << 20;
+    let mut b = engine(config);
+    alloc(&mut b, 3 << 20, 1);
+    alloc(&mut b, 3 << 20, 1);
+    assert_eq!(b.source().requests, vec![4 << 20, 4 << 20]);
+}
+
+#[test]
+fn a_request_of_exactly_the_limit_fits() {
+    let mut b = engine(Config::host(64 << 10));
+    alloc(&mut b, 64 << 10, 16);
+}
+
+/// A 64 KiB engine with exactly two free holes, of `first` and `second` bytes (freed in that
+/// order), the rest in use.
+fn two_holes(first: usize, second: usize) -> Sim {
+    let mut b = engine(without_quick_lists(Config::host(64 << 10)));
+    let a = alloc(&mut b, first, 16);
+    let _g = alloc(&mut b, 16, 16);
+    let c = alloc(&mut b, second, 16);
+    let _rest = alloc(&mut b, (64 << 10) - first - 16 - second, 16);
+    free(&mut b, a);
+    free(&mut b, c);
+    b
+}
+
+#[test]
+fn the_largest_free_block_is_the_largest_of_its_bin_and_group() {
+    // Same bin, the larger freed last (head of the list).
+    assert_eq!(
+        two_holes(65 * 16, 67 * 16).stats().largest_free_block,
+        67 * 16
+    );
+    // Different bins of one group, the larger in the higher bin.
+    assert_eq!(
+        two_holes(100 * 16, 65 * 16).stats().largest_free_block,
+        100 * 16
+    );
+}
+
+#[test]
+fn cached_chunks_are_not_counted_as_free_chunks() {
+    let mut b = engine(Config::host(1 << 30));
+    let p = alloc(&mut b, 48, 16);
+    let _q = alloc(&mut b, 48, 16);
+    free(&mut b, p);
+    let s = b.stats();
+    assert_eq!(
+        (s.num_cached_chunks, s.num_free_chunks),
+        (1, 1),
+        "the region's tail is free"
+    );
+}
+
+#[test]
+fn the_checker_sees_two_adjacent_free_chunks() {
+    let mut b = engine(without_quick_lists(Config::host(1 << 30)));
+    let p = alloc(&mut b, 64, 16);
+    let q = alloc(&mut b, 64, 16);
+    let _g = alloc(&mut b, 64, 16);
+    free(&mut b, p);
+    // Free `q` behind the engine's back, without coalescing it with `p`.
+    let h = b.lookup_in_use(q).unwrap();
+    b.table.get_mut(h).set_in_use(false);
+    b.bins.insert(&mut b.table, h, 4);
+    b.stats.bytes_in_use -= 64;
+    b.in_use_chunks -= 1;
+    assert_eq!(b.check().unwrap_err().what, "two adjacent free chunks");
+}
+
+#[test]
+fn the_checker_sees_reserved_bytes_above_their_peak() {
+    let mut b = engine(Config::host(1 << 30));
+    alloc(&mut b, 64, 16);
+    b.stats.peak_bytes_reserved -= 16;
+    assert!(b.check().is_err());
+}
+
+#[test]
+fn the_checker_sees_a_chunk_in_another_sizes_quick_list() {
+    let mut b = engine(Config::host(1 << 30));
+    let p = alloc(&mut b, 48, 16);
+    let _g = alloc(&mut b, 48, 16);
+    free(&mut b, p);
+    b.quick_heads[4] = b.quick_heads[3].take();
+    b.quick_len[4] = 1;
+    b.quick_len[3] = 0;
+    assert!(b.check().is_err());
+}

@@ -491,11 +491,13 @@ impl<B: DeviceBackend> Shared<B> {
         }
         let r = match st.allocate(bytes, align) {
             Err(AllocError::OutOfMemory(_)) => {
-                // Wait for every pending free, give fully free regions back, and try once more.
+                // Wait for every pending free and try once more: the blocks that came back serve
+                // the request if they can, and otherwise the engine gives its fully free regions
+                // back before it grows (so a freed region is reused, not returned and requested).
                 st.flush_pending();
-                st.bfc.release_free_regions();
+                let r = st.allocate(bytes, align);
                 st.collect_source_errors();
-                st.allocate(bytes, align)
+                r
             }
             r => r,
         };

@@ -52,6 +52,7 @@ struct SimState {
     frees: usize,
     event_syncs: usize,
     device_syncs: usize,
+    events_recycled: usize,
     fail_event_record: bool,
     fail_stream_query: bool,
     fail_finish_uses: bool,
@@ -121,6 +122,7 @@ impl SimDevice {
                 frees: 0,
                 event_syncs: 0,
                 device_syncs: 0,
+                events_recycled: 0,
                 fail_event_record: false,
                 fail_stream_query: false,
                 fail_finish_uses: false,
@@ -256,6 +258,11 @@ impl SimDevice {
     pub fn device_syncs(&self) -> usize {
         self.lock().device_syncs
     }
+
+    /// Number of events the pool handed back for reuse so far.
+    pub fn events_recycled(&self) -> usize {
+        self.lock().events_recycled
+    }
 }
 
 /// The pool's side of a [`SimDevice`].
@@ -369,6 +376,10 @@ impl DeviceBackend for SimBackend {
         let s = st.stream(event.stream);
         s.done = s.done.max(event.seq);
         Ok(())
+    }
+
+    fn recycle_event(&mut self, _event: SimEvent) {
+        self.device.lock().events_recycled += 1;
     }
 
     fn synchronize(&mut self) -> Result<(), BackendError> {
