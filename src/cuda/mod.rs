@@ -37,7 +37,8 @@
 //!    Pending events are polled on every allocation and free (one query per stream and event: a
 //!    stream's events complete in order).
 //! 5. Before reporting out-of-memory, the pool waits for every pending block's work, returns them
-//!    all, gives fully free regions back to the driver ([`DevicePool::trim`]), and tries again.
+//!    all, and tries again: from the returned blocks if they fit, and otherwise after giving fully
+//!    free regions back to the driver to grow by a region that fits.
 //!
 //! A stream that allocates and frees the same sizes in a loop is served with no driver call while
 //! no closed block is pending. Memory freed on a stream that stops allocating stays its own until

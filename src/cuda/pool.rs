@@ -631,8 +631,8 @@ impl<B: DeviceBackend> DevicePool<B> {
     ///
     /// Tries, in order: a block freed earlier on the same `stream` (no waiting), the pool's free
     /// chunks (after closing `stream`'s pending blocks, and other streams' that could serve the
-    /// request if no free chunk can), growth from the driver; then waits for all pending frees,
-    /// trims, and tries again.
+    /// request if no free chunk can), growth from the driver; then waits for all pending frees and
+    /// tries again (the returned blocks, or growth after fully free regions went back).
     ///
     /// # Safety
     ///
