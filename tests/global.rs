@@ -446,6 +446,13 @@ fn child_entry() {
                 dealloc(q, big);
                 dealloc(std::hint::black_box(q), big);
             }
+            "double_free_in_a_row" => {
+                dealloc(p, l);
+                dealloc(std::hint::black_box(p), l);
+                // Caught at the second free, not later: `_exit` runs no thread-local destructor,
+                // so no exit flush catches it.
+                libc::_exit(0);
+            }
             #[cfg(feature = "std")]
             "double_free_flushed" => {
                 // The first free went into the thread cache and from there back to the slab layer.
@@ -538,6 +545,7 @@ fn libc_sigabrt() -> i32 {
 #[test]
 fn double_free_aborts_with_a_clear_message() {
     assert_aborts("double_free", "double free of pointer");
+    assert_aborts("double_free_in_a_row", "double free of pointer");
 }
 
 #[test]

@@ -186,3 +186,65 @@ fn refills_that_run_out_of_memory_lose_nothing() {
     .join()
     .unwrap();
 }
+
+#[test]
+fn stats_count_every_cached_block_and_a_release_drains_the_transfer_cache() {
+    static LOCAL: GlobalBfc = GlobalBfc::with_config(HostConfig {
+        arena_size: 1 << 30,
+        ..HostConfig::DEFAULT
+    });
+    let l = Layout::from_size_align(64, 8).unwrap();
+    let (to_main, from_worker) = std::sync::mpsc::channel();
+    let (to_worker, from_main) = std::sync::mpsc::channel::<()>();
+    let worker = std::thread::spawn(move || {
+        let mut blocks = [0usize; 300];
+        for b in blocks.iter_mut() {
+            // SAFETY: a valid layout.
+            *b = unsafe { black_box(LOCAL.alloc(l)) } as usize;
+        }
+        let s = LOCAL.stats();
+        assert_eq!(
+            (s.bytes_in_use, s.num_chunks_in_use),
+            (300 * 64, 300),
+            "{s:?}"
+        );
+        assert!(s.peak_bytes_in_use >= 300 * 64, "{s:?}");
+        for &p in &blocks {
+            // SAFETY: allocated above with `l`, freed once.
+            unsafe { LOCAL.dealloc(p as *mut u8, l) };
+        }
+        let s = LOCAL.stats();
+        assert_eq!((s.bytes_in_use, s.num_chunks_in_use), (0, 0), "{s:?}");
+        assert_eq!(s.bytes_cached, 64 * s.num_cached_chunks, "{s:?}");
+        let mine = LOCAL.thread_cache_bytes();
+        assert!(
+            s.bytes_cached > mine,
+            "300 frees overflow the stack into the transfer cache: {s:?}"
+        );
+        to_main.send(mine).unwrap();
+        // Stay alive, cache unflushed, while the main thread releases memory.
+        let _ = from_main.recv();
+    });
+    let Ok(mine) = from_worker.recv() else {
+        worker.join().unwrap();
+        unreachable!("the worker failed without panicking");
+    };
+    // This thread's cache does not serve `LOCAL`: the release drains the transfer cache itself.
+    LOCAL.release_free_memory();
+    let s = LOCAL.stats();
+    assert_eq!(s.bytes_cached, mine, "{s:?}");
+    to_worker.send(()).unwrap();
+    worker.join().unwrap();
+    let s = LOCAL.stats();
+    assert_eq!(
+        (
+            s.bytes_in_use,
+            s.bytes_cached,
+            s.num_cached_chunks,
+            s.num_chunks_in_use
+        ),
+        (0, 0, 0, 0),
+        "{s:?}"
+    );
+    LOCAL.check().unwrap();
+}

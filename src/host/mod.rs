@@ -2328,6 +2328,302 @@ mod tests {
         unsafe { a.dealloc(q, layout) };
     }
 
+    /// An instance with a 512 MiB arena, for the give-back policy's large blocks.
+    fn big_instance() -> GlobalBfc {
+        GlobalBfc::with_config(HostConfig {
+            arena_size: 512 << 20,
+            min_arena_size: 512 << 20,
+            chunk_capacity: 1 << 12,
+            ..HostConfig::DEFAULT
+        })
+    }
+
+    /// The heap's end of touched memory.
+    fn brk(a: &GlobalBfc) -> usize {
+        a.with_heap(|h| h.brk).unwrap()
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri has no mincore")]
+    fn the_free_top_keeps_twice_the_largest_freed_block() {
+        let a = big_instance();
+        let mb = 1 << 20;
+        let l = Layout::from_size_align(2 * mb, 4096).unwrap();
+        // SAFETY: a non-zero size.
+        let ps: std::vec::Vec<*mut u8> = (0..8).map(|_| unsafe { a.alloc(l) }).collect();
+        for &p in &ps {
+            assert!(!p.is_null());
+            // SAFETY: `p` holds `2 * mb` bytes.
+            unsafe { p.write_bytes(0xa5, 2 * mb) };
+        }
+        let start = ps[0] as usize;
+        assert_eq!(ps[7] as usize, start + 14 * mb, "blocks are not contiguous");
+        for &p in &ps {
+            // SAFETY: `p` came from `a.alloc(l)`, freed once.
+            unsafe { a.dealloc(p, l) };
+        }
+        // The last free merged everything into the free top: 16 MiB touched, twice the largest
+        // freed block (4 MiB) kept, the rest given back.
+        assert_eq!(brk(&a), start + 4 * mb);
+        assert_eq!(resident_pages((start + 4 * mb) as *mut u8, 12 * mb), 0);
+        assert_eq!(a.check(), Ok(()));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri has no mincore")]
+    fn a_huge_block_freed_at_the_top_goes_back_whole() {
+        let a = big_instance();
+        let mb = 1 << 20;
+        // Raise the retained amount to 20 MiB with an interior free.
+        let mid = Layout::from_size_align(10 * mb, 4096).unwrap();
+        let guard = Layout::from_size_align(64 << 10, 4096).unwrap();
+        // SAFETY: non-zero sizes.
+        let (x, g) = unsafe { (a.alloc(mid), a.alloc(guard)) };
+        // SAFETY: `x` holds `10 * mb` bytes; it came from `a.alloc(mid)`.
+        unsafe {
+            x.write_bytes(1, 10 * mb);
+            a.dealloc(x, mid);
+        }
+        let huge = Layout::from_size_align(MAX_RETAIN, 4096).unwrap();
+        // SAFETY: a non-zero size.
+        let p = unsafe { a.alloc(huge) };
+        assert!(p as usize > g as usize, "not at the top");
+        // SAFETY: `p` holds `MAX_RETAIN` bytes; it came from `a.alloc(huge)`.
+        unsafe {
+            p.write_bytes(0xa5, MAX_RETAIN);
+            a.dealloc(p, huge);
+        }
+        // Like a glibc mmapped chunk: only the release threshold stays touched.
+        let threshold = a.config().release_threshold;
+        assert_eq!(brk(&a), p as usize + threshold);
+        assert_eq!(
+            resident_pages(p.wrapping_add(threshold), MAX_RETAIN - threshold),
+            0
+        );
+        // SAFETY: `g` came from `a.alloc(guard)`.
+        unsafe { a.dealloc(g, guard) };
+        assert_eq!(a.check(), Ok(()));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri has no mincore")]
+    fn a_huge_interior_block_gives_back_its_pages_at_once_and_spares_its_neighbours() {
+        let a = big_instance();
+        // Not a page multiple: the block's last page is shared with the next block.
+        let huge = Layout::from_size_align(MAX_RETAIN + 100, 8).unwrap();
+        let next = Layout::from_size_align(5000, 8).unwrap();
+        let keep = Layout::from_size_align(32 << 20, 4096).unwrap();
+        // SAFETY: non-zero sizes.
+        let (p, n, k) = unsafe { (a.alloc(huge), a.alloc(next), a.alloc(keep)) };
+        assert!(!p.is_null() && !k.is_null());
+        let usable = a.usable_size(p).unwrap();
+        assert_eq!(
+            n as usize,
+            p as usize + usable,
+            "the next block does not follow"
+        );
+        // SAFETY: each block holds its layout's bytes.
+        unsafe {
+            p.write_bytes(0xa5, usable);
+            n.write_bytes(0x5a, 5000);
+            a.dealloc(p, huge);
+        }
+        let page = os::page_size();
+        // Every page wholly inside the freed block went back at once.
+        assert_eq!(resident_pages(p, usable & !(page - 1)), 0);
+        // SAFETY: `n` is live and holds 5000 bytes.
+        let nb = unsafe { core::slice::from_raw_parts(n, 5000) };
+        assert!(
+            nb.iter().all(|&b| b == 0x5a),
+            "a live neighbour lost its data"
+        );
+        // SAFETY: `n` and `k` came from `a.alloc`.
+        unsafe {
+            a.dealloc(n, next);
+            a.dealloc(k, keep);
+        }
+        assert_eq!(a.check(), Ok(()));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "a 128 MiB block in a 512 MiB arena")]
+    fn a_huge_shrink_in_place_keeps_the_blocks_last_page() {
+        let a = big_instance();
+        let old = Layout::from_size_align(2 * MAX_RETAIN, 8).unwrap();
+        let new_size = MAX_RETAIN / 2 + 100; // the freed tail starts mid-page
+        let guard = Layout::from_size_align(64 << 10, 8).unwrap();
+        // SAFETY: non-zero sizes.
+        let (p, g) = unsafe { (a.alloc(old), a.alloc(guard)) };
+        assert!(!p.is_null() && !g.is_null());
+        // SAFETY: `p` holds `2 * MAX_RETAIN` bytes.
+        unsafe { p.add(new_size - 8192).write_bytes(0xa5, 8192) };
+        // SAFETY: `p` came from `a.alloc(old)`.
+        let q = unsafe { a.realloc(p, old, new_size) };
+        assert_eq!(q, p, "shrinks in place");
+        // SAFETY: `q` holds `new_size` bytes.
+        let tail = unsafe { core::slice::from_raw_parts(q.add(new_size - 8192), 8192) };
+        assert!(
+            tail.iter().all(|&b| b == 0xa5),
+            "the shrunk block lost data"
+        );
+        // SAFETY: from `realloc` (new size) and `a.alloc(guard)`.
+        unsafe {
+            a.dealloc(q, Layout::from_size_align(new_size, 8).unwrap());
+            a.dealloc(g, guard);
+        }
+        assert_eq!(a.check(), Ok(()));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri has no mincore")]
+    fn interior_frees_are_swept_once_they_stay_free() {
+        let a = big_instance();
+        let mb = 1 << 20;
+        let la = Layout::from_size_align(2 * mb, 4096).unwrap();
+        let lb = Layout::from_size_align(3 * mb, 4096).unwrap();
+        let guard = Layout::from_size_align(64 << 10, 4096).unwrap();
+        // SAFETY: non-zero sizes.
+        let (x, g1, y, g2) = unsafe { (a.alloc(la), a.alloc(guard), a.alloc(lb), a.alloc(guard)) };
+        // SAFETY: `x` holds `2 * mb` bytes; it came from `a.alloc(la)`.
+        unsafe {
+            x.write_bytes(0xa5, 2 * mb);
+            a.dealloc(x, la);
+        }
+        assert_eq!(resident_pages(x, 2 * mb), 2 * mb / os::page_size());
+        // Churn elsewhere: every few frees start a sweep, and the second one returns `x`, which
+        // stayed free since the first.
+        let mut y = y;
+        for _ in 0..24 {
+            // SAFETY: `y` holds `3 * mb` bytes; it came from `a.alloc(lb)`.
+            unsafe {
+                y.write_bytes(1, 3 * mb);
+                a.dealloc(y, lb);
+                y = a.alloc(lb);
+            }
+        }
+        assert_eq!(
+            resident_pages(x, 2 * mb),
+            0,
+            "a long-free block kept its pages"
+        );
+        // SAFETY: from `a.alloc`.
+        unsafe {
+            a.dealloc(y, lb);
+            a.dealloc(g1, guard);
+            a.dealloc(g2, guard);
+        }
+        assert_eq!(a.check(), Ok(()));
+    }
+
+    #[test]
+    fn zeroed_blocks_below_the_end_of_touched_memory_are_zero() {
+        let a = small_instance();
+        let l = Layout::from_size_align(5000, 8).unwrap();
+        // The end of touched memory in the middle of a page: a reused block up to it.
+        // SAFETY: a non-zero size.
+        let p = unsafe { a.alloc(l) };
+        // SAFETY: `p` holds 5000 bytes; it came from `a.alloc(l)` and is freed once.
+        unsafe {
+            p.write_bytes(0xa5, 5000);
+            a.dealloc(p, l);
+        }
+        // SAFETY: a non-zero size.
+        let q = unsafe { a.alloc_zeroed(l) };
+        assert_eq!(q, p, "not reused");
+        // SAFETY: `q` holds 5000 bytes.
+        assert!(unsafe { core::slice::from_raw_parts(q, 5000) }
+            .iter()
+            .all(|&b| b == 0));
+        // Written again and freed; the release lowers the end of touched memory to the free top's
+        // first whole page, never below the data under it.
+        // SAFETY: a non-zero size.
+        let r = unsafe { a.alloc(l) };
+        // SAFETY: `r` holds 5000 bytes; it came from `a.alloc(l)` and is freed once.
+        unsafe {
+            r.write_bytes(0xa5, 5000);
+            a.dealloc(r, l);
+        }
+        a.release_free_memory();
+        // SAFETY: a non-zero size.
+        let z = unsafe { a.alloc_zeroed(l) };
+        assert_eq!(z, r, "not reused");
+        // SAFETY: `z` holds 5000 bytes.
+        assert!(unsafe { core::slice::from_raw_parts(z, 5000) }
+            .iter()
+            .all(|&b| b == 0));
+        // SAFETY: from `a.alloc(l)` / `a.alloc_zeroed(l)`.
+        unsafe {
+            a.dealloc(q, l);
+            a.dealloc(z, l);
+        }
+        assert_eq!(a.check(), Ok(()));
+    }
+
+    #[test]
+    fn a_large_zeroed_block_spares_the_next_blocks_page() {
+        let a = small_instance();
+        let threshold = a.config().release_threshold;
+        // At least the threshold (zeroed by giving pages back) and no page multiple.
+        let big = Layout::from_size_align(threshold + 100, 8).unwrap();
+        let next = Layout::from_size_align(5000, 8).unwrap();
+        // SAFETY: non-zero sizes.
+        let (p, n) = unsafe { (a.alloc(big), a.alloc(next)) };
+        let usable = a.usable_size(p).unwrap();
+        assert_eq!(
+            n as usize,
+            p as usize + usable,
+            "the next block does not follow"
+        );
+        // SAFETY: each block holds its layout's bytes; `p` came from `a.alloc(big)`.
+        unsafe {
+            p.write_bytes(0xa5, usable);
+            n.write_bytes(0x5a, 5000);
+            a.dealloc(p, big);
+        }
+        // SAFETY: a non-zero size.
+        let z = unsafe { a.alloc_zeroed(big) };
+        assert_eq!(z, p, "not reused");
+        // SAFETY: `z` holds `threshold + 100` bytes, `n` 5000.
+        unsafe {
+            assert!(core::slice::from_raw_parts(z, threshold + 100)
+                .iter()
+                .all(|&b| b == 0));
+            assert!(
+                core::slice::from_raw_parts(n, 5000)
+                    .iter()
+                    .all(|&b| b == 0x5a),
+                "the next block lost its data"
+            );
+            a.dealloc(z, big);
+            a.dealloc(n, next);
+        }
+        assert_eq!(a.check(), Ok(()));
+    }
+
+    #[test]
+    fn a_small_realloc_under_the_lock_moves_to_the_new_class() {
+        // This thread's cache serves `a`, so `b`'s realloc takes the step under the lock.
+        std::thread::spawn(|| {
+            let (a, b) = (small_instance(), small_instance());
+            let l = Layout::from_size_align(16, 8).unwrap();
+            let grown = Layout::from_size_align(100, 8).unwrap();
+            // SAFETY: non-zero sizes; each block is freed once with its layout.
+            unsafe {
+                let x = a.alloc(l);
+                let p = b.alloc(l);
+                p.write_bytes(7, 16);
+                let q = b.realloc(p, l, 100);
+                assert!(b.usable_size(q).is_some_and(|u| u >= 100), "grew in place");
+                assert!(core::slice::from_raw_parts(q, 16).iter().all(|&v| v == 7));
+                b.dealloc(q, grown);
+                a.dealloc(x, l);
+            }
+            assert_eq!(b.check(), Ok(()));
+        })
+        .join()
+        .unwrap();
+    }
+
     #[test]
     #[cfg_attr(
         miri,

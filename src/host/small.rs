@@ -1188,6 +1188,23 @@ mod tests {
     }
 
     #[test]
+    fn purge_gives_back_the_last_page_of_a_span_with_a_tail() {
+        // 3 KiB objects: 21 fill 63 KiB; the last page holds object 20's end and the 1 KiB tail,
+        // which holds no object, so it is free once object 20 is.
+        let c = class_for(3072, 8).unwrap();
+        let mut h = heap(8);
+        let objs: Vec<usize> = (0..capacity(c)).map(|_| alloc(&mut h, c, 1)).collect();
+        for &p in &objs {
+            h.free(p);
+        }
+        let mut runs = Vec::new();
+        let covered = h.purge(base(2), |a, l| runs.push((a, l)));
+        assert_eq!(runs, vec![(base(1), SPAN)]);
+        assert_eq!(covered, SPAN);
+        h.check(base(2)).unwrap();
+    }
+
+    #[test]
     fn purge_keeps_pages_shared_with_a_live_object() {
         // 3 KiB objects straddle pages: page 2 (8..12 KiB) meets objects 2 (6..9 KiB) and 3
         // (9..12 KiB).
