@@ -479,9 +479,7 @@ fn child_entry() {
                 // not join the 16-byte stack (where the next 16-byte allocation would take it); the
                 // free goes by the pointer.
                 dealloc(p, Layout::from_size_align(16, 8).unwrap());
-                eprintln!("check: {:?}", A.check());
-                eprintln!("still a block: {:?}", A.usable_size(p));
-                libc::_exit(0);
+                report_and_exit(p);
             }
             "large_freed_as_small" => {
                 // Any 16-byte-aligned offset is a 16-byte object start; a large block's start freed
@@ -489,9 +487,7 @@ fn child_entry() {
                 let big = Layout::from_size_align(100_000, 8).unwrap();
                 let q = std::hint::black_box(alloc(big));
                 dealloc(q, Layout::from_size_align(16, 8).unwrap());
-                eprintln!("check: {:?}", A.check());
-                eprintln!("still a block: {:?}", A.usable_size(q));
-                libc::_exit(0);
+                report_and_exit(q);
             }
             "interior_large_as_small" => {
                 // A pointer into a large block, freed with a small layout: caught at the free (the
@@ -522,6 +518,15 @@ fn child_entry() {
         }
     }
     println!("child survived: {case}");
+}
+
+/// The child's report after a free of `p` with another class's layout: the heap's check and
+/// whether `p` is still a block. Leaves through `_exit`, so no thread-exit flush runs first.
+fn report_and_exit(p: *mut u8) -> ! {
+    eprintln!("check: {:?}", A.check());
+    eprintln!("still a block: {:?}", A.usable_size(p));
+    // SAFETY: ends the process at once; nothing is left to run.
+    unsafe { libc::_exit(0) }
 }
 
 fn assert_aborts(case: &str, message: &str) {

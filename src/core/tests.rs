@@ -21,6 +21,14 @@ fn engine(config: Config) -> Sim {
     .unwrap()
 }
 
+/// Runs a sweep of free chunks of at least `min` bytes; returns what it gave back.
+fn swept(b: &mut Sim, min: usize, aging: bool) -> Vec<(usize, usize)> {
+    let mut v = Vec::new();
+    b.sweep_dirty(min, aging, |p, s| v.push((p, s)));
+    checked(b);
+    v
+}
+
 fn checked(b: &Sim) {
     if let Err(e) = b.check() {
         panic!("{e}");
@@ -472,12 +480,7 @@ fn aging_sweeps_return_only_chunks_that_stayed_free() {
     let _guard = alloc(&mut b, mb, 1);
     free(&mut b, keep[0]); // free, separated from x by keep[1]
     free(&mut b, x);
-    let swept = |b: &mut Sim, aging: bool| {
-        let mut v = Vec::new();
-        b.sweep_dirty(mb, aging, |p, s| v.push((p, s)));
-        checked(b);
-        v
-    };
+    let swept = |b: &mut Sim, aging: bool| swept(b, mb, aging);
     // First aging sweep: only marks (the free top chunk too).
     assert!(swept(&mut b, true).is_empty());
     // `keep[0]` stays free; `x`'s chunk is allocated again and freed: it changed.
@@ -586,9 +589,9 @@ fn an_aligned_block_fits_a_hole_in_the_highest_searched_bin() {
     assert_eq!(alloc(&mut b, 1 << 16, 1 << 16), hole);
 }
 
-#[test]
-fn a_chunk_merged_with_a_swept_neighbour_is_swept_again() {
-    // `a` was swept (clean); `x`, freed next to it, is dirty, so the merged chunk is dirty.
+/// 1 MiB blocks `a`, `x` and a guard: `a` is freed, a sweep (`aging` or not) runs, then `x` is
+/// freed next to `a`. Returns the engine and `a`.
+fn neighbour_freed_after_a_sweep(aging: bool) -> (Sim, usize) {
     let mut b = engine(Config::device(1 << 30));
     let mb = 1 << 20;
     let (a, x, _g) = (
@@ -597,29 +600,25 @@ fn a_chunk_merged_with_a_swept_neighbour_is_swept_again() {
         alloc(&mut b, mb, 1),
     );
     free(&mut b, a);
-    b.sweep_dirty(0, false, |_, _| {});
+    swept(&mut b, 0, aging);
     free(&mut b, x);
-    let mut swept = Vec::new();
-    b.sweep_dirty(0, false, |p, s| swept.push((p, s)));
-    assert!(swept.contains(&(a, 2 * mb)), "{swept:?}");
+    (b, a)
+}
+
+#[test]
+fn a_chunk_merged_with_a_swept_neighbour_is_swept_again() {
+    // `a` was swept (clean); `x`, freed next to it, is dirty, so the merged chunk is dirty.
+    let (mut b, a) = neighbour_freed_after_a_sweep(false);
+    let v = swept(&mut b, 0, false);
+    assert!(v.contains(&(a, 2 << 20)), "{v:?}");
 }
 
 #[test]
 fn a_chunk_merged_with_a_fresh_free_is_not_aged() {
     // With aging, a chunk goes back only if it stayed free since the previous sweep: `x` did not.
-    let mut b = engine(Config::device(1 << 30));
-    let mb = 1 << 20;
-    let (a, x, _g) = (
-        alloc(&mut b, mb, 1),
-        alloc(&mut b, mb, 1),
-        alloc(&mut b, mb, 1),
-    );
-    free(&mut b, a);
-    b.sweep_dirty(0, true, |_, _| {});
-    free(&mut b, x);
-    let mut swept = Vec::new();
-    b.sweep_dirty(0, true, |p, s| swept.push((p, s)));
-    assert!(!swept.iter().any(|&(p, _)| p == a), "{swept:?}");
+    let (mut b, a) = neighbour_freed_after_a_sweep(true);
+    let v = swept(&mut b, 0, true);
+    assert!(!v.iter().any(|&(p, _)| p == a), "{v:?}");
 }
 
 /// A dirty free chunk of 1.5 MiB at the returned address, followed by a live guard block.
@@ -631,30 +630,22 @@ fn dirty_free_chunk(b: &mut Sim) -> usize {
 }
 
 #[test]
-fn the_tail_split_off_a_dirty_chunk_stays_dirty() {
-    let mut b = engine(Config::device(1 << 30));
-    let a = dirty_free_chunk(&mut b);
-    assert_eq!(alloc(&mut b, 512 << 10, 1), a);
-    let mut swept = Vec::new();
-    b.sweep_dirty(0, false, |p, s| swept.push((p, s)));
-    assert!(
-        swept.iter().any(|&(p, _)| p == a + (512 << 10)),
-        "{swept:?}"
-    );
-}
-
-#[test]
-fn the_tail_split_off_an_aged_chunk_stays_aged() {
-    let mut b = engine(Config::device(1 << 30));
-    let a = dirty_free_chunk(&mut b);
-    b.sweep_dirty(0, true, |_, _| {});
-    assert_eq!(alloc(&mut b, 512 << 10, 1), a);
-    let mut swept = Vec::new();
-    b.sweep_dirty(0, true, |p, s| swept.push((p, s)));
-    assert!(
-        swept.iter().any(|&(p, _)| p == a + (512 << 10)),
-        "{swept:?}"
-    );
+fn the_tail_split_off_a_free_chunk_keeps_its_sweep_state() {
+    // Dirty (never swept) and aged (free at the previous aging sweep): the tail left after
+    // 512 KiB are taken from the chunk is still given back by the next sweep of the same kind.
+    for aging in [false, true] {
+        let mut b = engine(Config::device(1 << 30));
+        let a = dirty_free_chunk(&mut b);
+        if aging {
+            swept(&mut b, 0, true);
+        }
+        assert_eq!(alloc(&mut b, 512 << 10, 1), a);
+        let v = swept(&mut b, 0, aging);
+        assert!(
+            v.iter().any(|&(p, _)| p == a + (512 << 10)),
+            "aging {aging}: {v:?}"
+        );
+    }
 }
 
 #[test]

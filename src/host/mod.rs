@@ -2343,6 +2343,64 @@ mod tests {
         a.with_heap(|h| h.brk).unwrap()
     }
 
+    /// Whether the `len` bytes at `p` all equal `byte`.
+    ///
+    /// # Safety
+    /// `p..p + len` is readable.
+    unsafe fn filled_with(p: *const u8, len: usize, byte: u8) -> bool {
+        // SAFETY: guaranteed by the caller.
+        unsafe { core::slice::from_raw_parts(p, len) }
+            .iter()
+            .all(|&b| b == byte)
+    }
+
+    /// The 5000-byte neighbour of [`block_beside_a_neighbour`].
+    fn neighbour() -> Layout {
+        Layout::from_size_align(5000, 8).unwrap()
+    }
+
+    /// Allocates a block of `layout` and the [`neighbour`] right after it (asserted); fills the
+    /// block, all of its usable size, with 0xa5 and the neighbour with 0x5a. Returns the block, its
+    /// usable size and the neighbour; the caller frees both.
+    fn block_beside_a_neighbour(a: &GlobalBfc, layout: Layout) -> (*mut u8, usize, *mut u8) {
+        // SAFETY: non-zero sizes.
+        let (p, n) = unsafe { (a.alloc(layout), a.alloc(neighbour())) };
+        assert!(!p.is_null() && !n.is_null());
+        let usable = a.usable_size(p).unwrap();
+        assert_eq!(
+            n as usize,
+            p as usize + usable,
+            "the neighbour does not follow"
+        );
+        // SAFETY: each block holds at least the bytes written.
+        unsafe {
+            p.write_bytes(0xa5, usable);
+            n.write_bytes(0x5a, neighbour().size());
+        }
+        (p, usable, n)
+    }
+
+    /// Writes a block of `layout` whole and frees it, runs `between`, then takes `layout` again
+    /// through `alloc_zeroed`: asserts that the same block came back, and that it reads zero.
+    fn dirty_then_zeroed(a: &GlobalBfc, layout: Layout, between: impl FnOnce()) -> *mut u8 {
+        // SAFETY: a non-zero size.
+        let p = unsafe { a.alloc(layout) };
+        assert!(!p.is_null());
+        // SAFETY: `p` holds its usable size; it came from `a.alloc(layout)` and is freed once.
+        unsafe {
+            p.write_bytes(0xa5, a.usable_size(p).unwrap());
+            a.dealloc(p, layout);
+        }
+        between();
+        // SAFETY: a non-zero size.
+        let z = unsafe { a.alloc_zeroed(layout) };
+        assert_eq!(z, p, "not reused");
+        // SAFETY: `z` holds `layout.size()` bytes.
+        let ok = unsafe { filled_with(z, layout.size(), 0) };
+        assert!(ok, "old data in a zeroed block");
+        z
+    }
+
     #[test]
     #[cfg_attr(miri, ignore = "Miri has no mincore")]
     fn the_free_top_keeps_twice_the_largest_freed_block() {
@@ -2411,35 +2469,22 @@ mod tests {
         let a = big_instance();
         // Not a page multiple: the block's last page is shared with the next block.
         let huge = Layout::from_size_align(MAX_RETAIN + 100, 8).unwrap();
-        let next = Layout::from_size_align(5000, 8).unwrap();
         let keep = Layout::from_size_align(32 << 20, 4096).unwrap();
-        // SAFETY: non-zero sizes.
-        let (p, n, k) = unsafe { (a.alloc(huge), a.alloc(next), a.alloc(keep)) };
-        assert!(!p.is_null() && !k.is_null());
-        let usable = a.usable_size(p).unwrap();
-        assert_eq!(
-            n as usize,
-            p as usize + usable,
-            "the next block does not follow"
-        );
-        // SAFETY: each block holds its layout's bytes.
-        unsafe {
-            p.write_bytes(0xa5, usable);
-            n.write_bytes(0x5a, 5000);
-            a.dealloc(p, huge);
-        }
+        let (p, usable, n) = block_beside_a_neighbour(&a, huge);
+        // SAFETY: a non-zero size.
+        let k = unsafe { a.alloc(keep) };
+        assert!(!k.is_null());
+        // SAFETY: `p` came from `a.alloc(huge)`.
+        unsafe { a.dealloc(p, huge) };
         let page = os::page_size();
         // Every page wholly inside the freed block went back at once.
         assert_eq!(resident_pages(p, usable & !(page - 1)), 0);
-        // SAFETY: `n` is live and holds 5000 bytes.
-        let nb = unsafe { core::slice::from_raw_parts(n, 5000) };
-        assert!(
-            nb.iter().all(|&b| b == 0x5a),
-            "a live neighbour lost its data"
-        );
+        // SAFETY: `n` is live and holds the neighbour's bytes.
+        let ok = unsafe { filled_with(n, neighbour().size(), 0x5a) };
+        assert!(ok, "a live neighbour lost its data");
         // SAFETY: `n` and `k` came from `a.alloc`.
         unsafe {
-            a.dealloc(n, next);
+            a.dealloc(n, neighbour());
             a.dealloc(k, keep);
         }
         assert_eq!(a.check(), Ok(()));
@@ -2461,11 +2506,8 @@ mod tests {
         let q = unsafe { a.realloc(p, old, new_size) };
         assert_eq!(q, p, "shrinks in place");
         // SAFETY: `q` holds `new_size` bytes.
-        let tail = unsafe { core::slice::from_raw_parts(q.add(new_size - 8192), 8192) };
-        assert!(
-            tail.iter().all(|&b| b == 0xa5),
-            "the shrunk block lost data"
-        );
+        let ok = unsafe { filled_with(q.add(new_size - 8192), 8192, 0xa5) };
+        assert!(ok, "the shrunk block lost data");
         // SAFETY: from `realloc` (new size) and `a.alloc(guard)`.
         unsafe {
             a.dealloc(q, Layout::from_size_align(new_size, 8).unwrap());
@@ -2520,38 +2562,13 @@ mod tests {
         let a = small_instance();
         let l = Layout::from_size_align(5000, 8).unwrap();
         // The end of touched memory in the middle of a page: a reused block up to it.
-        // SAFETY: a non-zero size.
-        let p = unsafe { a.alloc(l) };
-        // SAFETY: `p` holds 5000 bytes; it came from `a.alloc(l)` and is freed once.
-        unsafe {
-            p.write_bytes(0xa5, 5000);
-            a.dealloc(p, l);
-        }
-        // SAFETY: a non-zero size.
-        let q = unsafe { a.alloc_zeroed(l) };
-        assert_eq!(q, p, "not reused");
-        // SAFETY: `q` holds 5000 bytes.
-        assert!(unsafe { core::slice::from_raw_parts(q, 5000) }
-            .iter()
-            .all(|&b| b == 0));
-        // Written again and freed; the release lowers the end of touched memory to the free top's
-        // first whole page, never below the data under it.
-        // SAFETY: a non-zero size.
-        let r = unsafe { a.alloc(l) };
-        // SAFETY: `r` holds 5000 bytes; it came from `a.alloc(l)` and is freed once.
-        unsafe {
-            r.write_bytes(0xa5, 5000);
-            a.dealloc(r, l);
-        }
-        a.release_free_memory();
-        // SAFETY: a non-zero size.
-        let z = unsafe { a.alloc_zeroed(l) };
-        assert_eq!(z, r, "not reused");
-        // SAFETY: `z` holds 5000 bytes.
-        assert!(unsafe { core::slice::from_raw_parts(z, 5000) }
-            .iter()
-            .all(|&b| b == 0));
-        // SAFETY: from `a.alloc(l)` / `a.alloc_zeroed(l)`.
+        let q = dirty_then_zeroed(&a, l, || {});
+        // Again with a release between the free and the zeroed allocation: it lowers the end of
+        // touched memory to the free top's first whole page, never below the data under it.
+        let z = dirty_then_zeroed(&a, l, || {
+            a.release_free_memory();
+        });
+        // SAFETY: both came from `alloc_zeroed(l)`.
         unsafe {
             a.dealloc(q, l);
             a.dealloc(z, l);
@@ -2565,37 +2582,21 @@ mod tests {
         let threshold = a.config().release_threshold;
         // At least the threshold (zeroed by giving pages back) and no page multiple.
         let big = Layout::from_size_align(threshold + 100, 8).unwrap();
-        let next = Layout::from_size_align(5000, 8).unwrap();
-        // SAFETY: non-zero sizes.
-        let (p, n) = unsafe { (a.alloc(big), a.alloc(next)) };
-        let usable = a.usable_size(p).unwrap();
-        assert_eq!(
-            n as usize,
-            p as usize + usable,
-            "the next block does not follow"
-        );
-        // SAFETY: each block holds its layout's bytes; `p` came from `a.alloc(big)`.
-        unsafe {
-            p.write_bytes(0xa5, usable);
-            n.write_bytes(0x5a, 5000);
-            a.dealloc(p, big);
-        }
+        let (p, _, n) = block_beside_a_neighbour(&a, big);
+        // SAFETY: `p` came from `a.alloc(big)`.
+        unsafe { a.dealloc(p, big) };
         // SAFETY: a non-zero size.
         let z = unsafe { a.alloc_zeroed(big) };
         assert_eq!(z, p, "not reused");
-        // SAFETY: `z` holds `threshold + 100` bytes, `n` 5000.
+        // SAFETY: `z` holds `big.size()` bytes, `n` the neighbour's.
         unsafe {
-            assert!(core::slice::from_raw_parts(z, threshold + 100)
-                .iter()
-                .all(|&b| b == 0));
+            assert!(filled_with(z, big.size(), 0), "old data in a zeroed block");
             assert!(
-                core::slice::from_raw_parts(n, 5000)
-                    .iter()
-                    .all(|&b| b == 0x5a),
+                filled_with(n, neighbour().size(), 0x5a),
                 "the next block lost its data"
             );
             a.dealloc(z, big);
-            a.dealloc(n, next);
+            a.dealloc(n, neighbour());
         }
         assert_eq!(a.check(), Ok(()));
     }
