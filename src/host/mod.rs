@@ -1065,8 +1065,8 @@ impl Heap {
                 config.chunk_capacity,
             )
         };
-        // SAFETY: as for the table: a zero-filled (all "not a span"), aligned, exclusively owned part
-        // of the metadata reservation, alive as long as the heap.
+        // SAFETY: as for the table: a zero-filled (a valid `Span`: no object), aligned, exclusively
+        // owned part of the metadata reservation, alive as long as the heap.
         let spans: &'static mut [small::Span] = unsafe {
             core::slice::from_raw_parts_mut(
                 meta_mapping.as_ptr().add(spans_at).cast::<small::Span>(),

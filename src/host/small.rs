@@ -129,11 +129,10 @@ pub(crate) fn is_object_start(offset: usize, c: usize) -> bool {
     (q as u64) < t >> 40
 }
 
-/// Metadata of one 64 KiB window of the arena. All-zero bytes mean "not a span".
+/// Metadata of one 64 KiB window of the arena (its class is in [`SmallHeap::classes`]). All-zero
+/// bytes mean "no object".
 #[repr(C)]
 pub(crate) struct Span {
-    /// Class + 1, or 0 when the window is not a span.
-    class: u8,
     /// Free objects.
     free: u16,
     /// Pages (bit `p`: the span's page `p`) given back to the kernel since an object on them was
@@ -310,9 +309,10 @@ pub(crate) struct SmallHeap {
     arena: usize,
     /// One entry per 64 KiB of arena (zero-filled reservation).
     spans: &'static mut [Span],
-    /// Per 64 KiB of arena: `Span::class`, mirrored for readers that do not hold the heap lock (the
-    /// thread caches' check of a free's layout). Written only here, under the lock, when a span is
-    /// made or released; a block's byte stays put while the block is allocated.
+    /// Per 64 KiB of arena: the span's class + 1, or 0 when the window is not a span. Also read
+    /// without the heap lock (the thread caches' check of a free's layout), hence atomic; written
+    /// only here, under the lock, when a span is made or released, so a block's byte stays put
+    /// while the block is allocated.
     classes: &'static [AtomicU8],
     /// Per class: span index + 1 of the current span (the lowest in `sets`), 0 for none.
     current: [u32; NUM_CLASSES],
@@ -341,7 +341,7 @@ impl SmallHeap {
         sets: &'static mut [u64],
     ) -> Self {
         let n = spans.len();
-        assert!(classes.len() >= n, "span class table too short");
+        assert!(classes.len() == n, "one span class byte per span entry");
         let pages = SPAN / page.max(1);
         SmallHeap {
             arena,
@@ -487,7 +487,6 @@ impl SmallHeap {
         let cap = capacity(c);
         self.classes[i].store(c as u8 + 1, Relaxed);
         let span = &mut self.spans[i];
-        span.class = c as u8 + 1;
         span.free = cap as u16;
         span.avail = u64::MAX >> (64 - words_for(c));
         span.purged = 0;
@@ -512,8 +511,8 @@ impl SmallHeap {
     #[inline]
     fn span_of(&self, ptr: usize) -> Option<(usize, usize)> {
         let i = ptr.wrapping_sub(self.arena) >> SPAN_SHIFT;
-        let span = self.spans.get(i)?;
-        (span.class != 0).then(|| (i, span.class as usize - 1))
+        let k = self.classes.get(i)?.load(Relaxed);
+        (k != 0).then(|| (i, k as usize - 1))
     }
 
     /// Classifies `ptr`: `Ok(None)` if it is not in a span, `Ok(Some(size))` for a live object.
@@ -627,7 +626,6 @@ impl SmallHeap {
     /// for the engine.
     fn release_span(&mut self, c: usize, i: usize) -> usize {
         self.sets.remove(c, i);
-        self.spans[i].class = 0;
         self.classes[i].store(0, Relaxed);
         self.spans_live -= 1;
         self.arena + (i << SPAN_SHIFT)
@@ -645,11 +643,12 @@ impl SmallHeap {
         let (page, pages) = (1usize << shift, SPAN >> shift);
         let mut covered = 0;
         for i in 0..self.spans_below(brk) {
-            let span = &mut self.spans[i];
-            if span.class == 0 {
+            let k = self.classes[i].load(Relaxed);
+            if k == 0 {
                 continue;
             }
-            let c = span.class as usize - 1;
+            let c = k as usize - 1;
+            let span = &mut self.spans[i];
             let (size, cap) = (CLASS_SIZES[c] as usize, capacity(c));
             let mut free = 0u16;
             for p in 0..pages {
@@ -692,7 +691,7 @@ impl SmallHeap {
             }
             for i in 0..limit {
                 let s = &self.spans[i];
-                let mine = s.class as usize == c + 1;
+                let mine = self.classes[i].load(Relaxed) as usize == c + 1;
                 if self.sets.contains(c, i) != (mine && s.free > 0) {
                     return Err("span set disagrees with the span table");
                 }
@@ -702,13 +701,11 @@ impl SmallHeap {
             }
         }
         for (s, k) in self.spans.iter().zip(self.classes).take(limit) {
-            if k.load(Relaxed) != s.class {
-                return Err("span class table disagrees with the span table");
-            }
-            if s.class == 0 {
+            let k = k.load(Relaxed);
+            if k == 0 {
                 continue;
             }
-            let c = s.class as usize - 1;
+            let c = k as usize - 1;
             let cap = capacity(c);
             let set: usize = s
                 .bits
@@ -819,7 +816,6 @@ mod tests {
     fn heap_with_pages(spans: usize, page: usize) -> SmallHeap {
         let table: Vec<Span> = (0..spans)
             .map(|_| Span {
-                class: 0,
                 free: 0,
                 purged: 0,
                 avail: 0,
