@@ -2137,6 +2137,126 @@ mod tests {
         })
     }
 
+    #[test]
+    fn bad_configs_are_refused_with_their_reason() {
+        let d = HostConfig::DEFAULT;
+        let cases = [
+            (
+                HostConfig {
+                    arena_size: 1 << 30,
+                    min_arena_size: 2 << 30,
+                    ..d
+                },
+                "arena_size < min_arena_size",
+            ),
+            (
+                HostConfig {
+                    arena_size: 1 << 20,
+                    min_arena_size: 1 << 20,
+                    ..d
+                },
+                "min_arena_size must be at least 2 MiB",
+            ),
+            (
+                HostConfig {
+                    chunk_capacity: 15,
+                    ..d
+                },
+                "chunk_capacity too small",
+            ),
+            (
+                HostConfig {
+                    chunk_capacity: u32::MAX as usize,
+                    ..d
+                },
+                "chunk_capacity must fit in u32",
+            ),
+            (HostConfig { granule: 24, ..d }, "granule must be"),
+            (HostConfig { granule: 4, ..d }, "granule must be"),
+            (HostConfig { granule: 8192, ..d }, "granule must be"),
+        ];
+        for (config, reason) in cases {
+            let err = std::panic::catch_unwind(|| GlobalBfc::with_config(config))
+                .err()
+                .unwrap_or_else(|| panic!("accepted a config that should fail with {reason:?}"));
+            let msg = err
+                .downcast_ref::<&str>()
+                .map(|s| String::from(*s))
+                .or_else(|| err.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            assert!(msg.contains(reason), "{msg:?} does not name {reason:?}");
+        }
+        // The limits themselves are accepted.
+        for config in [
+            HostConfig {
+                arena_size: 2 << 20,
+                min_arena_size: 2 << 20,
+                chunk_capacity: 16,
+                granule: 8,
+                ..d
+            },
+            HostConfig {
+                chunk_capacity: u32::MAX as usize - 1,
+                granule: 4096,
+                ..d
+            },
+        ] {
+            let _ = GlobalBfc::with_config(config);
+        }
+    }
+
+    /// A release threshold of 0 (every freed chunk counts) and one larger than the arena (none
+    /// does) are both usable: blocks come and go, stay intact, and the heap checks clean.
+    #[test]
+    fn extreme_release_thresholds_work() {
+        for release_threshold in [0, usize::MAX] {
+            let a = GlobalBfc::with_config(HostConfig {
+                arena_size: 64 << 20,
+                min_arena_size: 64 << 20,
+                chunk_capacity: 1 << 12,
+                release_threshold,
+                ..HostConfig::DEFAULT
+            });
+            let sizes = [5000, 1 << 20, 3 << 20, 70_000, 9 << 20];
+            let mut blocks = std::vec::Vec::new();
+            for round in 0..4u8 {
+                for &size in &sizes {
+                    let layout = Layout::from_size_align(size, 64).unwrap();
+                    // SAFETY: a non-zero size.
+                    let p = unsafe { a.alloc_zeroed(layout) };
+                    assert!(!p.is_null());
+                    // SAFETY: `p` holds `size` bytes.
+                    let block = unsafe { core::slice::from_raw_parts_mut(p, size) };
+                    assert!(block.iter().all(|&b| b == 0), "old data in a zeroed block");
+                    block.fill(round + 1);
+                    blocks.push((p, layout, round + 1));
+                }
+                // Free every other block, oldest first, so frees land beside live neighbours.
+                let mut i = 0;
+                blocks.retain(|&(p, layout, fill)| {
+                    i += 1;
+                    // SAFETY: each block holds `layout.size()` bytes.
+                    let block = unsafe { core::slice::from_raw_parts(p, layout.size()) };
+                    assert!(block.iter().all(|&b| b == fill), "a live block changed");
+                    if i % 2 == 0 {
+                        // SAFETY: `p` came from `a.alloc_zeroed(layout)` and is freed once.
+                        unsafe { a.dealloc(p, layout) };
+                        false
+                    } else {
+                        true
+                    }
+                });
+                a.check().unwrap();
+            }
+            for (p, layout, _) in blocks {
+                // SAFETY: as above.
+                unsafe { a.dealloc(p, layout) };
+            }
+            a.check().unwrap();
+            assert_eq!(a.stats().bytes_in_use, 0, "threshold {release_threshold}");
+        }
+    }
+
     /// Whether this process is the child running `case`.
     pub(super) fn is_child(case: &str) -> bool {
         std::env::var(CHILD_ENV).is_ok_and(|c| c == case)
