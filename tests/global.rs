@@ -306,6 +306,37 @@ fn allocator_api2_allocate_and_grow() {
         let s = A.shrink(p.cast(), big_align, small).unwrap();
         assert_eq!(*s.cast::<u8>().as_ptr().add(63), 9);
         A.deallocate(s.cast(), small);
+        // A smaller size and a lower alignment: only the new size is copied, so the small blocks
+        // around the new one keep their bytes.
+        let (from, to) = (
+            Layout::from_size_align(4096, 4096).unwrap(),
+            Layout::from_size_align(100, 16).unwrap(),
+        );
+        let p = A.allocate(from).unwrap().cast::<u8>();
+        for i in 0..4096 {
+            p.as_ptr().add(i).write(i as u8);
+        }
+        // Live blocks of the new class on both sides of a hole, which the move takes (the thread
+        // cache hands out the block freed last).
+        let mut around: Vec<_> = (0..17)
+            .map(|_| A.allocate(to).unwrap().cast::<u8>())
+            .collect();
+        A.deallocate(around.remove(8), to);
+        for b in &around {
+            b.as_ptr().write_bytes(0x5a, 100);
+        }
+        let s = A.shrink(p, from, to).unwrap().cast::<u8>();
+        for i in 0..100 {
+            assert_eq!(*s.as_ptr().add(i), i as u8);
+        }
+        for b in around {
+            assert!(
+                (0..100).all(|i| *b.as_ptr().add(i) == 0x5a),
+                "a neighbour was overwritten"
+            );
+            A.deallocate(b, to);
+        }
+        A.deallocate(s, to);
         #[cfg(feature = "std")]
         A.flush_thread_cache(); // aborted here ("size class is not the block's") before the fix
         A.check().unwrap();

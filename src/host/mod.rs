@@ -2074,22 +2074,8 @@ unsafe impl allocator_api2::alloc::Allocator for GlobalBfc {
         old: Layout,
         new: Layout,
     ) -> Result<NonNull<[u8]>, allocator_api2::alloc::AllocError> {
-        // Another alignment may change whether the block is a small one (and a small block must be
-        // freed with a layout of its own class), so it moves.
-        if new.align() != old.align() {
-            let fresh = self.allocate(new)?;
-            // SAFETY: forwarded contract; the new block is at least `old.size()` bytes.
-            unsafe {
-                ptr::copy_nonoverlapping(ptr.as_ptr(), fresh.as_ptr().cast(), old.size());
-                self.deallocate(ptr, old);
-            }
-            return Ok(fresh);
-        }
-        // SAFETY: forwarded contract; same alignment, larger size.
-        let p = unsafe { GlobalAlloc::realloc(self, ptr.as_ptr(), old, new.size()) };
-        NonNull::new(p)
-            .map(|p| NonNull::slice_from_raw_parts(p, new.size()))
-            .ok_or(allocator_api2::alloc::AllocError)
+        // SAFETY: forwarded contract; `new` is at least as large as `old`.
+        unsafe { self.resize(ptr, old, new) }
     }
 
     unsafe fn shrink(
@@ -2098,23 +2084,47 @@ unsafe impl allocator_api2::alloc::Allocator for GlobalBfc {
         old: Layout,
         new: Layout,
     ) -> Result<NonNull<[u8]>, allocator_api2::alloc::AllocError> {
-        // As in `grow`: another alignment moves the block.
+        // SAFETY: forwarded contract; `new` is at most as large as `old`.
+        unsafe { self.resize(ptr, old, new) }
+    }
+}
+
+impl GlobalBfc {
+    /// `Allocator::grow` and `shrink`: the block's first `min(old, new)` bytes in a block of
+    /// layout `new`.
+    ///
+    /// # Safety
+    /// `ptr` was allocated by `self` with layout `old`; on success it must no longer be used.
+    unsafe fn resize(
+        &self,
+        ptr: NonNull<u8>,
+        old: Layout,
+        new: Layout,
+    ) -> Result<NonNull<[u8]>, allocator_api2::alloc::AllocError> {
+        use allocator_api2::alloc::{AllocError, Allocator};
+        // Another alignment may change whether the block is a small one (and a small block must be
+        // freed with a layout of its own class), so it moves.
         if new.align() != old.align() {
             let fresh = self.allocate(new)?;
-            // SAFETY: forwarded contract; the new block holds `new.size() <= old.size()` bytes.
+            // SAFETY: the caller's contract; both blocks hold at least `min(old, new)` bytes, and
+            // `fresh` is a new block, disjoint from `ptr`'s.
             unsafe {
-                ptr::copy_nonoverlapping(ptr.as_ptr(), fresh.as_ptr().cast(), new.size());
+                ptr::copy_nonoverlapping(
+                    ptr.as_ptr(),
+                    fresh.as_ptr().cast(),
+                    old.size().min(new.size()),
+                );
                 self.deallocate(ptr, old);
             }
             return Ok(fresh);
         }
-        // SAFETY: forwarded contract; same alignment, smaller size. It may still move the block (a
-        // large block shrunk to a small size, or a small one into another class), and return null
-        // if that allocation fails, which is handled below.
+        // SAFETY: the caller's contract; same alignment. It may move the block (a large block
+        // shrunk to a small size, a small one into another class, a block that cannot grow in
+        // place) and return null if that allocation fails, which is handled below.
         let p = unsafe { GlobalAlloc::realloc(self, ptr.as_ptr(), old, new.size()) };
         NonNull::new(p)
             .map(|p| NonNull::slice_from_raw_parts(p, new.size()))
-            .ok_or(allocator_api2::alloc::AllocError)
+            .ok_or(AllocError)
     }
 }
 
