@@ -198,6 +198,16 @@ impl Region {
     }
 }
 
+/// A block handed out by [`Bfc::allocate_block`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allocated {
+    /// Its address.
+    pub ptr: usize,
+    /// Its size: the chunk's, at least the request rounded up to the granule (what
+    /// [`Bfc::usable_size`] reports).
+    pub size: usize,
+}
+
 /// What a free (or an in-place shrink) did: the bytes released and the free chunk they ended up in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Freed {
@@ -328,6 +338,17 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         reason = "the report is the point; the Ok path stays small"
     )]
     pub fn allocate(&mut self, size: usize, align: usize) -> Result<usize, AllocError> {
+        self.allocate_block(size, align).map(|b| b.ptr)
+    }
+
+    /// [`allocate`](Self::allocate), also returning the block's size (saving a
+    /// [`usable_size`](Self::usable_size) lookup).
+    #[allow(
+        clippy::result_large_err,
+        reason = "the report is the point; the Ok path stays small"
+    )]
+    #[inline]
+    pub fn allocate_block(&mut self, size: usize, align: usize) -> Result<Allocated, AllocError> {
         if !align.is_power_of_two() || align > MAX_ALIGN {
             return Err(AllocError::BadAlignment { align });
         }
@@ -359,10 +380,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
             Some(h) => self.take(h, rounded, align),
             None => self.allocate_slow(rounded, align, needed),
         };
-        match found {
-            Ok(p) => Ok(p),
-            Err(cause) => Err(self.oom_error(size, needed, cause)),
-        }
+        found.map_err(|cause| self.oom_error(size, needed, cause))
     }
 
     #[cold]
@@ -376,7 +394,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         rounded: usize,
         align: usize,
         needed: usize,
-    ) -> Result<usize, OomCause> {
+    ) -> Result<Allocated, OomCause> {
         if self.cached_chunks > 0 {
             self.flush_quick_lists();
             if let Some(h) = self.find_fit(needed) {
@@ -675,7 +693,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
 
     /// Hands out cached chunk `h`, the head of quick list `g`.
     #[inline]
-    fn quick_pop(&mut self, h: ChunkHandle, g: usize) -> usize {
+    fn quick_pop(&mut self, h: ChunkHandle, g: usize) -> Allocated {
         let c = self.table.get_mut(h);
         self.quick_heads[g] = c.free_next;
         c.free_next = None;
@@ -690,7 +708,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         s.bytes_in_use += size;
         s.peak_bytes_in_use = s.peak_bytes_in_use.max(s.bytes_in_use);
         s.largest_alloc_size = s.largest_alloc_size.max(size);
-        ptr
+        Allocated { ptr, size }
     }
 
     /// Size of the largest free chunk (scans the top non-empty bin).
@@ -798,7 +816,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         mut h: ChunkHandle,
         rounded: usize,
         align: usize,
-    ) -> Result<usize, OomCause> {
+    ) -> Result<Allocated, OomCause> {
         let c = *self.table.get(h);
         self.bins
             .remove(&mut self.table, h, c.size() >> self.granule_shift);
@@ -835,7 +853,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         s.bytes_in_use += got;
         s.peak_bytes_in_use = s.peak_bytes_in_use.max(s.bytes_in_use);
         s.largest_alloc_size = s.largest_alloc_size.max(got);
-        Ok(ptr)
+        Ok(Allocated { ptr, size: got })
     }
 
     /// Puts free chunk `h` (out of any bin) back and reports a full chunk table.

@@ -35,13 +35,16 @@ fn checked(b: &Sim) {
     }
 }
 
+/// Allocates through [`Bfc::allocate_block`], checking the size it reports against the chunk's.
 fn alloc(b: &mut Sim, size: usize, align: usize) -> usize {
-    let p = b
-        .allocate(size, align)
+    let got = b
+        .allocate_block(size, align)
         .unwrap_or_else(|e| panic!("alloc {size}/{align}: {e}"));
     checked(b);
-    assert_eq!(p % align, 0);
-    p
+    assert_eq!(got.ptr % align, 0);
+    assert_eq!(Ok(got.size), b.usable_size(got.ptr), "the reported size");
+    assert!(got.size >= size);
+    got.ptr
 }
 
 fn free(b: &mut Sim, p: usize) -> Freed {

@@ -424,13 +424,8 @@ impl<B: DeviceBackend> State<B> {
         reason = "the engine's report; the pool boxes it before it leaves"
     )]
     fn allocate(&mut self, bytes: usize, align: usize) -> Result<(usize, usize), AllocError> {
-        let p = self.bfc.allocate(bytes, align)?;
-        // The block was just handed out, so the lookup succeeds; fall back to the rounded request.
-        let size = self
-            .bfc
-            .usable_size(p)
-            .unwrap_or_else(|_| bytes.max(1).next_multiple_of(GRANULE));
-        Ok((p, size))
+        let b = self.bfc.allocate_block(bytes, align)?;
+        Ok((b.ptr, b.size))
     }
 
     fn oom(&mut self, ordinal: usize, requested: usize, report: OomReport) -> PoolError {

@@ -1189,14 +1189,6 @@ impl Heap {
         self.brk = self.brk.max(ptr + size);
     }
 
-    /// Notes that the engine's block at `ptr` was handed out: all of it, which may be more than
-    /// was asked for (its caller may write up to `usable_size`).
-    #[inline]
-    fn note_block_allocated(&mut self, ptr: usize, asked: usize) {
-        let size = self.bfc.usable_size(ptr).unwrap_or(asked);
-        self.note_allocated(ptr, size);
-    }
-
     /// Bytes handed out to callers now.
     #[inline]
     fn in_use(&self) -> usize {
@@ -1227,16 +1219,17 @@ impl Heap {
         } else {
             align
         };
-        let mut found = self.bfc.allocate(size, grid);
+        let mut found = self.bfc.allocate_block(size, grid);
         if found.is_err() && grid != align {
             // The grid is a preference: near the arena's limit the padding it needs may not fit.
-            found = self.bfc.allocate(size, align);
+            found = self.bfc.allocate_block(size, align);
         }
         match found {
-            Ok(p) => {
-                self.note_block_allocated(p, size);
+            Ok(b) => {
+                // All of the block: its caller may write up to `usable_size`.
+                self.note_allocated(b.ptr, b.size);
                 self.note_peak(size);
-                p as *mut u8
+                b.ptr as *mut u8
             }
             Err(_) => ptr::null_mut(),
         }
