@@ -328,8 +328,10 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
 
     /// Allocates `size` bytes aligned to `align` (a power of two) and returns the address.
     ///
-    /// The block is at least `size` bytes, rounded up to the granule; [`usable_size`](Self::usable_size)
-    /// tells the exact size. Zero-sized requests get one granule.
+    /// The block is at least `size` bytes, rounded up to the granule (it can be larger: a free
+    /// chunk is not split when too little would be left over); [`allocate_block`](Self::allocate_block)
+    /// and [`usable_size`](Self::usable_size) tell the exact size. Zero-sized requests get one
+    /// granule.
     ///
     /// # Time Complexity
     /// O(1) in the number of chunks, plus at most `fit_scan` list steps; growth calls the source.
