@@ -100,13 +100,17 @@ pub trait DeviceBackend: Send + 'static {
     /// Waits until all work on the device (every stream) has finished.
     fn synchronize(&mut self) -> Result<(), BackendError>;
 
-    /// Queues on `stream` a write of zeros to `bytes` bytes at `ptr`.
+    /// Queues on `stream` a write of zeros to `bytes` bytes at `ptr`, after the uses on other
+    /// streams that `uses` recorded.
     ///
     /// # Safety
     ///
-    /// `[ptr, ptr + bytes)` is device memory owned by the caller.
+    /// `[ptr, ptr + bytes)` is device memory owned by the caller, a buffer whose home stream is
+    /// `stream` and whose uses `uses` records.
     unsafe fn memset_zero(
+        &mut self,
         stream: &Self::Stream,
+        uses: &Self::Uses,
         ptr: u64,
         bytes: usize,
     ) -> Result<(), BackendError>;

@@ -11,8 +11,11 @@ use super::pool::{DevicePool, Shared};
 /// on the home stream (see the [module documentation](super)).
 ///
 /// With the CUDA back end it implements cudarc's `DeviceSlice`, `DevicePtr` and `DevicePtrMut`, so
-/// `stream.memcpy_htod(&host, &mut buf)`, `stream.memcpy_dtoh(&buf, &mut host)` and
-/// `stream.launch_builder(&f).arg(&buf)` accept it like a `CudaSlice`.
+/// `stream.memcpy_htod(&host, &mut buf)` and `stream.memcpy_dtoh(&buf, &mut host)` accept it like a
+/// `CudaSlice`, and copies on other streams are ordered ([`CudaUses`](super::CudaUses)).
+/// `stream.launch_builder(&f).arg(&buf)` accepts it too, but a kernel argument is only an address:
+/// unlike a `CudaSlice`'s, it is not ordered against other streams, so launch on the home stream
+/// or order the launch yourself.
 pub struct DeviceBuffer<T, B: DeviceBackend = super::CudaBackend> {
     /// Device address. A field (not computed) so that `&ptr` can be a kernel argument.
     pub(crate) ptr: u64,
@@ -82,10 +85,15 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
         }
     }
 
-    /// Queues on the home stream a write of zeros to the whole block.
+    /// Queues on the home stream a write of zeros to the whole block, after the buffer's last use
+    /// on another stream (see [`CudaUses`](super::CudaUses)). On failure nothing is queued.
     pub fn zero(&mut self) -> Result<(), super::PoolError> {
-        // SAFETY: the block `[ptr, ptr + size)` is owned by this buffer.
-        unsafe { B::memset_zero(&self.stream, self.ptr, self.size) }.map_err(Into::into)
+        let (stream, uses, ptr, size) = (&self.stream, &self.uses, self.ptr, self.size);
+        self.pool()
+            // SAFETY: the block `[ptr, ptr + size)` is owned by this buffer, whose home stream is
+            // `stream` and whose uses are recorded in `uses`.
+            .with_backend_mut(|b| unsafe { b.memset_zero(stream, uses, ptr, size) })
+            .map_err(Into::into)
     }
 }
 

@@ -2,9 +2,7 @@
 //! [`DeviceBuffer`].
 
 use std::string::ToString;
-use std::sync::{Arc, OnceLock, PoisonError};
-
-use crate::sync::{AtomicBool, Mutex, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::vec::Vec;
 
 use cudarc::driver::result::{self, DriverError};
@@ -18,6 +16,7 @@ use super::backend::{BackendError, DeviceBackend};
 use super::buffer::DeviceBuffer;
 use super::error::PoolError;
 use super::pool::{DevicePool, PoolOptions, EVENT_CACHE};
+use super::uses::{EndOfUse, Protocol, UseOps};
 
 /// Whether the CUDA driver library can be loaded. Checked (once) before any driver call, because
 /// cudarc panics when it is missing.
@@ -79,11 +78,11 @@ impl CudaBackend {
     }
 }
 
-/// Makes `ctx` current on this thread. Unlike `CudaContext::bind_to_thread`, this leaves the
-/// context's recorded error (from cudarc's `Drop`s) for its owner to see.
 /// `CU_STREAM_PER_THREAD`: the handle of the calling thread's per-thread default stream.
 const PER_THREAD_STREAM: usize = 0x2;
 
+/// Makes `ctx` current on this thread. Unlike `CudaContext::bind_to_thread`, this leaves the
+/// context's recorded error (from cudarc's `Drop`s) for its owner to see.
 fn bind(ctx: &CudaContext) -> Result<(), BackendError> {
     if result::ctx::get_current().map_err(err("cuCtxGetCurrent"))? != Some(ctx.cu_ctx()) {
         // SAFETY: `ctx` holds the context alive.
@@ -204,10 +203,13 @@ impl DeviceBackend for CudaBackend {
     }
 
     unsafe fn memset_zero(
+        &mut self,
         stream: &Arc<CudaStream>,
+        uses: &CudaUses,
         ptr: u64,
         bytes: usize,
     ) -> Result<(), BackendError> {
+        uses.protocol.before_home_use(&CudaOps, stream)?;
         bind(stream.context())?;
         // SAFETY: the caller owns `[ptr, ptr + bytes)`; the write is queued on `stream`.
         unsafe { result::memset_d8_async(ptr, 0, bytes, stream.cu_stream()) }
@@ -219,31 +221,7 @@ impl DeviceBackend for CudaBackend {
         stream: &Arc<CudaStream>,
         uses: &CudaUses,
     ) -> Result<(), BackendError> {
-        if let Some(e) = uses.unordered.get() {
-            // Some use on another stream was not ordered by an event: the pool waits for the
-            // whole context instead.
-            return Err(e.clone());
-        }
-        if uses.foreign.load(Ordering::Acquire) || uses.synced.load(Ordering::Acquire) {
-            // cudarc skips the record (or the wait) that marks the end of a use when the context
-            // holds a recorded error at that moment (left by another guard of the same call, or
-            // another thread): while one is there, the end of the last use may not be marked.
-            let ctx = stream.context();
-            if let Err(e) = ctx.check_err() {
-                ctx.record_err::<()>(Err(e));
-                return Err(BackendError::new(
-                    "cuEventRecord",
-                    std::format!(
-                        "the context holds a recorded error ({e}), so the end of a use on another \
-                         stream may not have been recorded"
-                    ),
-                ));
-            }
-            if let Some(after) = uses.after.get() {
-                wait_raw(stream, after)?;
-            }
-        }
-        Ok(())
+        uses.protocol.finish(&CudaOps, stream)
     }
 }
 
@@ -277,16 +255,17 @@ fn sync_raw(stream: &CudaStream) -> Result<(), BackendError> {
 }
 
 /// Orders a buffer's uses on streams other than its home stream (through `DevicePtr::device_ptr` or
-/// `DevicePtrMut::device_ptr_mut`):
+/// `DevicePtrMut::device_ptr_mut`, as cudarc's copies and memsets take them):
 ///
 /// - before such a use, the other stream waits for the work queued so far on the home stream;
 /// - after it, an event is recorded on the other stream, and the home stream waits for it before the
-///   buffer's free is recorded, before the next use on yet another stream, and before later uses on
-///   the home stream that go through `device_ptr`/`device_ptr_mut`.
+///   buffer's free is recorded, before the next use on yet another stream, before
+///   [`DeviceBuffer::zero`], and before later uses on the home stream that go through
+///   `device_ptr`/`device_ptr_mut`.
 ///
 /// A stream of another context (even a default stream, whose handle is null in every context) is
-/// another stream: the home stream's work is waited for on the host before the use, and the use
-/// itself before the call returns.
+/// another stream: the home stream's work is waited for on the host before the use, the use itself
+/// before the call returns, and that whole context again when the buffer is freed.
 ///
 /// The calls go through the driver directly, not through cudarc's context, so a failure here does
 /// not become the context's recorded error, which would make cudarc skip the event record that
@@ -296,33 +275,96 @@ fn sync_raw(stream: &CudaStream) -> Result<(), BackendError> {
 /// use is waited for on the host when it is queued.
 ///
 /// cudarc marks the end of a use with the guard `device_ptr` returns, and skips that when the
-/// context holds a recorded error at that moment: while a context holds one, the free of a buffer
-/// used on another stream waits for the whole context. So after a call that used the buffer on
-/// another stream left an error in a context (`check_err`), synchronise that stream before you
-/// take the error out or drop the buffer (the pool can no longer tell once the error is gone, and
-/// cannot wait for another context's stream at all).
+/// context holds a recorded error at that moment: while the home context holds one, the free of a
+/// buffer used on another stream waits for the whole context. So after a call that used the buffer
+/// on another stream left an error in the context (`check_err`), synchronise that stream before you
+/// take the error out or drop the buffer: the pool can no longer tell once the error is gone (any
+/// fallible cudarc call in the context may take it).
 ///
-/// Not tracked: kernel arguments (`launch_builder(..).arg(&buf)`), and a peer copy from the buffer to
-/// memory of another context (`memcpy_dtod` on a stream of that context, which cudarc runs there but
-/// reports as a use on the buffer's own stream). Launch on the home stream, or order these
-/// yourself. One event marks the end of the foreign uses, so two uses on two other
-/// streams that overlap in time (from two threads, through `&DeviceBuffer`) are both ordered only if
-/// the first one's `device_ptr` call returned before the second one's began; order such concurrent
+/// Not tracked: kernel arguments (`launch_builder(..).arg(&buf)` passes the address only: cudarc
+/// gives an argument no access to the launch's stream), and a peer copy from the buffer to memory of
+/// another context (`memcpy_dtod` on a stream of that context, which cudarc runs there but reports
+/// as a use on the buffer's own stream). Launch on the home stream, or order these yourself. One
+/// event marks the end of the foreign uses, so two uses on two other streams that overlap in time
+/// (from two threads, through `&DeviceBuffer`) are both ordered only if the first cudarc call (its
+/// guard dropped, so its end recorded) returned before the second one began; order such concurrent
 /// uses yourself (make the home stream wait for them) before dropping the buffer.
 #[derive(Debug, Default)]
 pub struct CudaUses {
-    /// Serialises the bookkeeping of concurrent uses.
-    lock: Mutex<()>,
-    /// Recorded on the home stream before a foreign use; the foreign stream waits for it.
-    before: OnceLock<CudaEvent>,
-    /// Recorded on the foreign stream after its use; the home stream waits for it.
-    after: OnceLock<CudaEvent>,
-    /// Whether `after` has been handed out for recording.
-    foreign: AtomicBool,
-    /// Whether a use on another stream of the same context is waited for by cudarc's guard.
-    synced: AtomicBool,
-    /// The first failure to order a use by events: the free then waits for the whole context.
-    unordered: OnceLock<BackendError>,
+    protocol: Protocol<CudaOps>,
+}
+
+/// The protocol's operations over cudarc, none of which touches the context's recorded error.
+struct CudaOps;
+
+impl UseOps for CudaOps {
+    type Stream = CudaStream;
+    type Event = CudaEvent;
+    type Context = Arc<CudaContext>;
+
+    fn same_context(&self, a: &CudaStream, b: &CudaStream) -> bool {
+        **a.context() == **b.context()
+    }
+
+    fn same_stream(&self, a: &CudaStream, b: &CudaStream) -> bool {
+        a.cu_stream() == b.cu_stream()
+    }
+
+    fn new_event(&self, stream: &CudaStream) -> Result<CudaEvent, BackendError> {
+        new_event(stream.context())
+    }
+
+    fn record(&self, event: &CudaEvent, stream: &CudaStream) -> Result<(), BackendError> {
+        record_raw(event, stream)
+    }
+
+    fn wait(&self, stream: &CudaStream, event: &CudaEvent) -> Result<(), BackendError> {
+        wait_raw(stream, event)
+    }
+
+    fn sync(&self, stream: &CudaStream) -> Result<(), BackendError> {
+        sync_raw(stream)
+    }
+
+    fn records_end_of_use(&self, stream: &CudaStream) -> bool {
+        stream.context().is_managing_stream_synchronization()
+    }
+
+    fn prepare_use(&self, stream: &CudaStream) -> Result<(), BackendError> {
+        // cudarc queues the use right after `device_ptr` returns, expecting its context current.
+        bind(stream.context())
+    }
+
+    fn end_of_use_marked(&self, stream: &CudaStream) -> Result<(), BackendError> {
+        let ctx = stream.context();
+        match ctx.check_err() {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                // Put it back: it is the user's.
+                ctx.record_err::<()>(Err(e));
+                Err(BackendError::new(
+                    "cuEventRecord",
+                    std::format!(
+                        "the context holds a recorded error ({e}), so the end of a use on another \
+                         stream may not have been recorded"
+                    ),
+                ))
+            }
+        }
+    }
+
+    fn context(&self, stream: &CudaStream) -> Arc<CudaContext> {
+        stream.context().clone()
+    }
+
+    fn in_context(&self, stream: &CudaStream, ctx: &Arc<CudaContext>) -> bool {
+        **stream.context() == **ctx
+    }
+
+    fn sync_context(&self, ctx: &Arc<CudaContext>) -> Result<(), BackendError> {
+        bind(ctx)?;
+        result::ctx::synchronize().map_err(err("cuCtxSynchronize"))
+    }
 }
 
 /// A new event of `ctx`. cudarc's `new_event` refuses to run while the context holds a recorded
@@ -335,93 +377,13 @@ fn new_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent, BackendError> {
     event
 }
 
-/// The event in `cell`, created on first use.
-fn lazy_event<'a>(
-    cell: &'a OnceLock<CudaEvent>,
-    ctx: &Arc<CudaContext>,
-) -> Result<&'a CudaEvent, BackendError> {
-    if let Some(e) = cell.get() {
-        return Ok(e);
-    }
-    let event = new_event(ctx)?;
-    Ok(cell.get_or_init(|| event))
-}
-
 impl CudaUses {
-    /// Notes that a use could not be ordered by events (the first failure is kept).
-    fn unordered(&self, e: BackendError) {
-        let _ = self.unordered.set(e);
-    }
-
-    /// Makes the home stream wait for the end of the last use on another stream, if any. On
-    /// failure the home stream's later work may overlap that use: the free then waits for the
-    /// whole context.
-    fn home_waits_for_last_foreign_use(&self, home: &CudaStream) {
-        if !self.foreign.load(Ordering::Acquire) {
-            return;
+    fn enter<'a>(&'a self, home: &'a CudaStream, other: &'a CudaStream) -> SyncOnDrop<'a> {
+        match self.protocol.enter(&CudaOps, home, other) {
+            EndOfUse::Nothing => SyncOnDrop::Record(None),
+            EndOfUse::Record(event, stream) => SyncOnDrop::Record(Some((event, stream))),
+            EndOfUse::Sync(stream) => SyncOnDrop::Sync(Some(stream)),
         }
-        if let Some(after) = self.after.get() {
-            if let Err(e) = wait_raw(home, after) {
-                self.unordered(e);
-            }
-        }
-    }
-
-    fn enter<'a>(&'a self, home: &'a Arc<CudaStream>, other: &'a CudaStream) -> SyncOnDrop<'a> {
-        let ctx = home.context();
-        let same_context = **ctx == **other.context();
-        if same_context && home.cu_stream() == other.cu_stream() {
-            // A use on the home stream waits for the last use on another stream.
-            self.home_waits_for_last_foreign_use(home);
-            return SyncOnDrop::Record(None);
-        }
-        let _guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
-        // The previous use on another stream comes before this one too (and what is recorded on
-        // or waited for on the home stream below comes after it).
-        self.home_waits_for_last_foreign_use(home);
-        let guard = if same_context {
-            self.enter_same_context(home, other)
-        } else {
-            // Another context: events cannot be recorded across contexts. Wait for the home
-            // stream's work here and for the use itself when it is queued; the free cannot wait
-            // for another context's stream.
-            if let Err(e) = sync_raw(home) {
-                self.unordered(e);
-            }
-            SyncOnDrop::Sync(Some(other))
-        };
-        // cudarc queues the use right after this returns, expecting its own context current.
-        if let Err(e) = bind(other.context()) {
-            self.unordered(e);
-        }
-        guard
-    }
-
-    fn enter_same_context<'a>(
-        &'a self,
-        home: &'a Arc<CudaStream>,
-        other: &'a CudaStream,
-    ) -> SyncOnDrop<'a> {
-        let ctx = home.context();
-        let ordered = lazy_event(&self.before, ctx)
-            .and_then(|before| record_raw(before, home).and_then(|()| wait_raw(other, before)));
-        if let Err(e) = ordered {
-            self.unordered(e);
-            if let Err(e) = sync_raw(home) {
-                self.unordered(e);
-            }
-        }
-        match lazy_event(&self.after, ctx) {
-            Ok(a) if other.context().is_managing_stream_synchronization() => {
-                self.foreign.store(true, Ordering::Release);
-                return SyncOnDrop::Record(Some((a, other)));
-            }
-            // cudarc would not record the event: the use is waited for below instead.
-            Ok(_) => self.synced.store(true, Ordering::Release),
-            Err(e) => self.unordered(e),
-        }
-        // No event will mark the end of the use: it is waited for when it is queued.
-        SyncOnDrop::Sync(Some(other))
     }
 }
 

@@ -52,8 +52,9 @@
 //!
 //! Uses on other streams are ordered when they go through cudarc's `DevicePtr::device_ptr` /
 //! `DevicePtrMut::device_ptr_mut` (as `memcpy_*` do): the other stream first waits for the home
-//! stream, and the home stream waits for that use before the free is recorded ([`CudaUses`]). A
-//! stream of another context is waited for on the host instead, around the use. A raw
+//! stream, and the home stream waits for that use before the free is recorded and before
+//! [`DeviceBuffer::zero`] ([`CudaUses`]). A stream of another context is waited for on the host
+//! instead, around the use and (the whole context) at the free. A raw
 //! address ([`DeviceBuffer::device_address`]), a kernel argument on another stream, or a peer copy
 //! to another context's memory (`memcpy_dtod` on that context's stream) is yours to order.
 //!
@@ -74,6 +75,9 @@
 //!
 //! All of the above is written against [`DeviceBackend`]; [`SimBackend`] simulates a device
 //! (addresses only) with events that tests complete by hand, so the whole pool is tested on the CPU.
+//! The ordering of uses on other streams is one protocol for both back ends ([`CudaUses`],
+//! [`SimUses`]); the simulated streams record what waits for what
+//! ([`SimDevice::ordered_before`]), and [`DeviceBuffer::simulate_use`] runs a use through it.
 //!
 //! ```no_run
 //! use bfc_alloc::cuda::{DevicePool, PoolOptions};
@@ -96,10 +100,11 @@ mod error;
 mod pool;
 mod sim;
 mod source;
+mod uses;
 
 pub use backend::{BackendError, DeviceBackend};
 pub use buffer::DeviceBuffer;
 pub use driver::{device_count, driver_available, CudaBackend, CudaUses};
 pub use error::{DeviceOom, DeviceStats, PoolError};
 pub use pool::{min_system_memory, DevicePool, MemoryLimit, PoolOptions, GRANULE, OPEN_LIMIT};
-pub use sim::{SimBackend, SimDevice, SimEvent, SimStream};
+pub use sim::{SimBackend, SimDevice, SimEvent, SimStream, SimUses};

@@ -5,6 +5,14 @@
 //! that uses a buffer, say), and each recorded event is one more item. An event is done once the
 //! test has completed the stream up to it ([`SimDevice::complete`]) or the pool waited for it
 //! (which completes it, as a real wait would).
+//!
+//! A stream can be made to wait for an event of another stream (`cuStreamWaitEvent`): its later
+//! items then complete only after that event, and [`SimDevice::ordered_before`] tells whether one
+//! item is ordered before another this way. [`DeviceBuffer::simulate_use`] runs a use of a buffer
+//! on any stream through the same protocol as the CUDA back end's `DevicePtr` guards, so tests
+//! can check that a block goes to its next owner only after, or ordered after, every use of its
+//! previous one. A stream's context is the high 32 bits of its id
+//! ([`SimStream::in_context`]); the pool's context is 0.
 
 use std::string::ToString;
 use std::sync::{Arc, PoisonError};
@@ -13,6 +21,8 @@ use crate::sync::{Mutex, MutexGuard};
 use std::vec::Vec;
 
 use super::backend::{BackendError, DeviceBackend};
+use super::buffer::DeviceBuffer;
+use super::uses::{EndOfUse, Protocol, UseOps};
 use crate::core::sim::SimSource;
 use crate::core::MemorySource;
 
@@ -21,9 +31,21 @@ fn failed(op: &'static str) -> BackendError {
     BackendError::new(op, "CUDA_ERROR_LAUNCH_FAILED (simulated)")
 }
 
-/// A simulated stream: just an id.
+/// A simulated stream: just an id, whose high 32 bits name its context.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SimStream(pub u64);
+
+impl SimStream {
+    /// Stream `n` of context `ctx` (the pool's context is 0: `SimStream(n)`).
+    pub const fn in_context(ctx: u32, n: u32) -> SimStream {
+        SimStream(((ctx as u64) << 32) | n as u64)
+    }
+
+    /// Its context.
+    pub const fn context(self) -> u32 {
+        (self.0 >> 32) as u32
+    }
+}
 
 /// A simulated event: item `seq` of `stream`'s queue (from 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,6 +79,15 @@ struct SimState {
     fail_stream_query: bool,
     fail_finish_uses: bool,
     fail_synchronize: bool,
+    /// Events of the use protocol, by handle: their latest record `(stream, item)`, if any.
+    use_events: Vec<Option<(u64, u64)>>,
+    /// Makes the use protocol's event records and waits fail.
+    fail_use_ordering: bool,
+    /// Whether the end of a use is waited for on the host instead of marked by an event (a cudarc
+    /// context that does not manage stream synchronisation).
+    unmanaged_sync: bool,
+    /// Contexts holding a recorded error (cudarc then skips a use guard's record or wait).
+    context_errors: Vec<u32>,
 }
 
 /// Work on one simulated stream. Items are numbered from 1 in queue order and complete in order.
@@ -69,6 +100,9 @@ struct SimStreamState {
     done: u64,
     /// Events recorded so far.
     events: u64,
+    /// Waits for other streams, in queue order: `(after, stream, item)`: the items after item
+    /// `after` of this stream complete only after item `item` of `stream`.
+    waits: Vec<(u64, u64, u64)>,
 }
 
 impl SimState {
@@ -81,6 +115,7 @@ impl SimState {
                     queued: 0,
                     done: 0,
                     events: 0,
+                    waits: Vec::new(),
                 });
                 self.streams.len() - 1
             }
@@ -90,6 +125,54 @@ impl SimState {
 
     fn live_bytes(&self) -> usize {
         self.live.iter().map(|l| l.1).sum()
+    }
+
+    /// How far stream `id` can complete: up to its first wait for an item not yet completed.
+    fn completable(&mut self, id: u64) -> u64 {
+        let s = self.stream(id);
+        let (queued, waits) = (s.queued, s.waits.clone());
+        for (after, other, item) in waits {
+            if self.stream(other).done < item {
+                return after.min(queued);
+            }
+        }
+        queued
+    }
+
+    /// Completes stream `id` up to item `n` and, first, everything that waits for (a real wait
+    /// for `n` would let the device run it all).
+    fn force(&mut self, id: u64, n: u64) {
+        let mut todo = std::vec![(id, n)];
+        while let Some((id, n)) = todo.pop() {
+            let s = self.stream(id);
+            let n = n.min(s.queued);
+            if s.done >= n {
+                continue;
+            }
+            let deps: Vec<(u64, u64)> = s
+                .waits
+                .iter()
+                .filter(|w| w.0 < n)
+                .map(|w| (w.1, w.2))
+                .collect();
+            let open: Vec<(u64, u64)> = deps
+                .into_iter()
+                .filter(|&(other, item)| self.stream(other).done < item)
+                .collect();
+            if open.is_empty() {
+                self.stream(id).done = n;
+            } else {
+                todo.push((id, n));
+                todo.extend(open);
+            }
+        }
+    }
+
+    /// Queues one item on `stream`; returns its number.
+    fn enqueue(&mut self, stream: u64) -> u64 {
+        let s = self.stream(stream);
+        s.queued += 1;
+        s.queued
     }
 }
 
@@ -127,6 +210,10 @@ impl SimDevice {
                 fail_stream_query: false,
                 fail_finish_uses: false,
                 fail_synchronize: false,
+                use_events: Vec::new(),
+                fail_use_ordering: false,
+                unmanaged_sync: false,
+                context_errors: Vec::new(),
             })),
         }
     }
@@ -165,10 +252,51 @@ impl SimDevice {
     /// Queues one item of work on `stream` (it completes with [`complete`](Self::complete)).
     /// Returns its number: the work queued on `stream` so far.
     pub fn enqueue(&self, stream: SimStream) -> u64 {
+        self.lock().enqueue(stream.0)
+    }
+
+    /// Makes the use protocol's event records and waits fail (`cuEventRecord`,
+    /// `cuStreamWaitEvent` in [`DeviceBuffer::simulate_use`] and [`DeviceBuffer::zero`]).
+    pub fn set_fail_use_ordering(&self, fail: bool) {
+        self.lock().fail_use_ordering = fail;
+    }
+
+    /// Makes the end of a use on another stream be waited for on the host instead of marked by
+    /// an event (as in a cudarc context that does not manage stream synchronisation).
+    pub fn set_unmanaged_sync(&self, unmanaged: bool) {
+        self.lock().unmanaged_sync = unmanaged;
+    }
+
+    /// Makes context `ctx` hold a recorded error, or not: while it does, the end of a use on one
+    /// of its streams is not marked (cudarc skips a guard's record or wait).
+    pub fn set_context_error(&self, ctx: u32, error: bool) {
         let mut st = self.lock();
-        let s = st.stream(stream.0);
-        s.queued += 1;
-        s.queued
+        st.context_errors.retain(|&c| c != ctx);
+        if error {
+            st.context_errors.push(ctx);
+        }
+    }
+
+    /// Whether item `a` (a stream and an item number) is ordered before item `b` on the device:
+    /// the same stream and not later, or `b`'s stream waited, before `b`, for an event recorded
+    /// after an item ordered after `a`. (Completion is another way to be done before: see
+    /// [`completed`](Self::completed).)
+    pub fn ordered_before(&self, a: (SimStream, u64), b: (SimStream, u64)) -> bool {
+        let mut st = self.lock();
+        let mut todo = std::vec![(b.0 .0, b.1)];
+        let mut seen: Vec<(u64, u64)> = Vec::new();
+        while let Some((id, n)) = todo.pop() {
+            if id == a.0 .0 && a.1 <= n {
+                return true;
+            }
+            if seen.contains(&(id, n)) {
+                continue;
+            }
+            seen.push((id, n));
+            let s = st.stream(id);
+            todo.extend(s.waits.iter().filter(|w| w.0 < n).map(|w| (w.1, w.2)));
+        }
+        false
     }
 
     /// Makes stream queries fail (the pool must then treat the stream as busy).
@@ -186,24 +314,27 @@ impl SimDevice {
         self.lock().fail_synchronize = fail;
     }
 
-    /// Completes all work queued on `stream` so far.
+    /// Completes the work queued on `stream` so far, up to its first wait for work of another
+    /// stream that has not completed.
     pub fn complete(&self, stream: SimStream) {
-        let mut st = self.lock();
-        let s = st.stream(stream.0);
-        s.done = s.queued;
+        self.complete_to(stream, u64::MAX);
     }
 
-    /// Completes the work queued on `stream` up to item `n` (at most all of it).
+    /// Completes the work queued on `stream` up to item `n` (at most all of it, and up to its
+    /// first wait for work that has not completed).
     pub fn complete_to(&self, stream: SimStream, n: u64) {
         let mut st = self.lock();
+        let limit = st.completable(stream.0);
         let s = st.stream(stream.0);
-        s.done = s.done.max(n.min(s.queued));
+        s.done = s.done.max(n.min(limit));
     }
 
     /// Completes all work on every stream.
     pub fn complete_all(&self) {
-        for s in self.lock().streams.iter_mut() {
-            s.done = s.queued;
+        let mut st = self.lock();
+        let ids: Vec<u64> = st.streams.iter().map(|s| s.id).collect();
+        for id in ids {
+            st.force(id, u64::MAX);
         }
     }
 
@@ -281,7 +412,7 @@ impl SimBackend {
 impl DeviceBackend for SimBackend {
     type Stream = SimStream;
     type Event = SimEvent;
-    type Uses = ();
+    type Uses = SimUses;
 
     fn ordinal(&self) -> usize {
         self.device.lock().ordinal
@@ -373,8 +504,7 @@ impl DeviceBackend for SimBackend {
     fn event_sync(&mut self, event: &SimEvent) -> Result<(), BackendError> {
         let mut st = self.device.lock();
         st.event_syncs += 1;
-        let s = st.stream(event.stream);
-        s.done = s.done.max(event.seq);
+        st.force(event.stream, event.seq);
         Ok(())
     }
 
@@ -388,20 +518,156 @@ impl DeviceBackend for SimBackend {
             return Err(failed("cuCtxSynchronize"));
         }
         st.device_syncs += 1;
-        for s in st.streams.iter_mut() {
-            s.done = s.queued;
+        let ids: Vec<u64> = st.streams.iter().map(|s| s.id).collect();
+        for id in ids {
+            st.force(id, u64::MAX);
         }
         Ok(())
     }
 
-    unsafe fn memset_zero(_: &SimStream, _: u64, _: usize) -> Result<(), BackendError> {
+    unsafe fn memset_zero(
+        &mut self,
+        stream: &SimStream,
+        uses: &SimUses,
+        _: u64,
+        _: usize,
+    ) -> Result<(), BackendError> {
+        uses.protocol.before_home_use(&self.device, stream)?;
+        self.device.lock().enqueue(stream.0);
         Ok(())
     }
 
-    fn finish_uses(&mut self, _: &SimStream, _: &()) -> Result<(), BackendError> {
+    fn finish_uses(&mut self, stream: &SimStream, uses: &SimUses) -> Result<(), BackendError> {
         if self.device.lock().fail_finish_uses {
             return Err(failed("cuStreamWaitEvent"));
         }
+        uses.protocol.finish(&self.device, stream)
+    }
+}
+
+/// The simulated device's record of a buffer's uses on other streams (the same protocol as
+/// [`CudaUses`](super::CudaUses)).
+#[derive(Debug, Default)]
+pub struct SimUses {
+    protocol: Protocol<SimDevice>,
+}
+
+/// A use-protocol event: an index into the device's table of their latest records.
+#[derive(Debug)]
+pub(crate) struct SimUseEvent(usize);
+
+impl UseOps for SimDevice {
+    type Stream = SimStream;
+    type Event = SimUseEvent;
+    type Context = u32;
+
+    fn same_context(&self, a: &SimStream, b: &SimStream) -> bool {
+        a.context() == b.context()
+    }
+
+    fn same_stream(&self, a: &SimStream, b: &SimStream) -> bool {
+        a == b
+    }
+
+    fn new_event(&self, _: &SimStream) -> Result<SimUseEvent, BackendError> {
+        let mut st = self.lock();
+        st.use_events.push(None);
+        Ok(SimUseEvent(st.use_events.len() - 1))
+    }
+
+    fn record(&self, event: &SimUseEvent, stream: &SimStream) -> Result<(), BackendError> {
+        let mut st = self.lock();
+        if st.fail_use_ordering {
+            return Err(failed("cuEventRecord"));
+        }
+        let item = st.enqueue(stream.0);
+        st.stream(stream.0).events += 1;
+        st.use_events[event.0] = Some((stream.0, item));
         Ok(())
+    }
+
+    fn wait(&self, stream: &SimStream, event: &SimUseEvent) -> Result<(), BackendError> {
+        let mut st = self.lock();
+        if st.fail_use_ordering {
+            return Err(failed("cuStreamWaitEvent"));
+        }
+        // Waiting for an event never recorded waits for nothing, as in CUDA.
+        if let Some((other, item)) = st.use_events[event.0] {
+            let s = st.stream(stream.0);
+            let after = s.queued;
+            s.waits.push((after, other, item));
+        }
+        Ok(())
+    }
+
+    fn sync(&self, stream: &SimStream) -> Result<(), BackendError> {
+        self.lock().force(stream.0, u64::MAX);
+        Ok(())
+    }
+
+    fn records_end_of_use(&self, _: &SimStream) -> bool {
+        !self.lock().unmanaged_sync
+    }
+
+    fn prepare_use(&self, _: &SimStream) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn end_of_use_marked(&self, stream: &SimStream) -> Result<(), BackendError> {
+        if self.lock().context_errors.contains(&stream.context()) {
+            return Err(failed("cuEventRecord"));
+        }
+        Ok(())
+    }
+
+    fn context(&self, stream: &SimStream) -> u32 {
+        stream.context()
+    }
+
+    fn in_context(&self, stream: &SimStream, ctx: &u32) -> bool {
+        stream.context() == *ctx
+    }
+
+    fn sync_context(&self, ctx: &u32) -> Result<(), BackendError> {
+        let mut st = self.lock();
+        if st.fail_synchronize {
+            return Err(failed("cuCtxSynchronize"));
+        }
+        let ids: Vec<u64> = st
+            .streams
+            .iter()
+            .filter(|s| SimStream(s.id).context() == *ctx)
+            .map(|s| s.id)
+            .collect();
+        for id in ids {
+            st.force(id, u64::MAX);
+        }
+        Ok(())
+    }
+}
+
+impl<T> DeviceBuffer<T, SimBackend> {
+    /// Simulates a use of the buffer on `stream`, as the CUDA back end's `DevicePtr::device_ptr`
+    /// guard orders one around a cudarc call: the ordering before the use, one item of work on
+    /// `stream` (returned: its number there), then the end of the use as cudarc's guard would end
+    /// it (skipped while `stream`'s context holds an error, see
+    /// [`SimDevice::set_context_error`]).
+    pub fn simulate_use(&self, stream: SimStream) -> u64 {
+        let device = self.pool().with_backend_mut(|b| b.device().clone());
+        let end = self.uses.protocol.enter(&device, &self.stream, &stream);
+        let item = device.enqueue(stream);
+        let skipped = device.lock().context_errors.contains(&stream.context());
+        match end {
+            EndOfUse::Nothing => {}
+            EndOfUse::Record(event, s) if !skipped && device.records_end_of_use(s) => {
+                let _ = device.record(event, s);
+            }
+            EndOfUse::Record(..) => {}
+            EndOfUse::Sync(s) if !skipped => {
+                let _ = device.sync(s);
+            }
+            EndOfUse::Sync(_) => {}
+        }
+        item
     }
 }

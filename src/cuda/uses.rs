@@ -1,0 +1,268 @@
+//! Ordering a buffer's uses on streams other than its home stream, over any back end.
+//!
+//! The protocol is written once, against [`UseOps`], so that the CUDA back end
+//! ([`CudaUses`](super::CudaUses), through cudarc's `DevicePtr` guards) and the simulated device
+//! ([`SimUses`](super::SimUses), whose streams track what waits for what) run the same code:
+//!
+//! - before a use on another stream of the home stream's context, that stream waits for the work
+//!   queued so far on the home stream (an event `before`, recorded on the home stream);
+//! - after it, an event `after` is recorded on the other stream, and the home stream waits for it
+//!   before the buffer's free is ordered ([`Protocol::finish`], which then records an event on the
+//!   home stream: a stream query need not count a wait as work), before the next use on yet
+//!   another stream, and before later uses on the home stream that go through the protocol
+//!   ([`Protocol::before_home_use`]);
+//! - a use on a stream of another context (events cannot cross contexts) is waited for on the
+//!   host: the home stream before the use, the use when its guard ends, and that whole context
+//!   again at the free (the guard's wait can be skipped, see [`Protocol::finish`]);
+//! - when an event cannot mark the end of a use (it could not be created, or the other stream's
+//!   context does not manage stream synchronisation), the use is waited for on the host when its
+//!   guard ends, and the home context at the free (that wait can be skipped too);
+//! - if a step fails, [`Protocol::finish`] fails: the pool then waits for the whole device.
+
+use std::sync::{OnceLock, PoisonError};
+use std::vec::Vec;
+
+use super::backend::BackendError;
+use crate::sync::{AtomicBool, Mutex, Ordering};
+
+/// The stream and event operations the protocol needs. The calls must not change the error state
+/// the driver keeps for the user (for cudarc: the context's recorded error).
+pub(crate) trait UseOps {
+    /// A stream (borrowed for the duration of a call).
+    type Stream: ?Sized;
+    /// An event that can be recorded again (a wait waits for its latest record).
+    type Event: Send + Sync;
+    /// A context, kept to wait for it at the free.
+    type Context: Send;
+
+    /// Whether two streams belong to the same context.
+    fn same_context(&self, a: &Self::Stream, b: &Self::Stream) -> bool;
+    /// Whether two streams of the same context are the same stream.
+    fn same_stream(&self, a: &Self::Stream, b: &Self::Stream) -> bool;
+    /// A new event of `stream`'s context.
+    fn new_event(&self, stream: &Self::Stream) -> Result<Self::Event, BackendError>;
+    /// Records `event` after the work queued so far on `stream`.
+    fn record(&self, event: &Self::Event, stream: &Self::Stream) -> Result<(), BackendError>;
+    /// Makes `stream`'s later work wait for `event`'s latest record.
+    fn wait(&self, stream: &Self::Stream, event: &Self::Event) -> Result<(), BackendError>;
+    /// Blocks until the work queued so far on `stream` has finished.
+    fn sync(&self, stream: &Self::Stream) -> Result<(), BackendError>;
+    /// Whether the end of a use on `stream` will be marked by recording the event handed to its
+    /// guard (cudarc records it only while its context manages stream synchronisation).
+    fn records_end_of_use(&self, stream: &Self::Stream) -> bool;
+    /// Prepares `stream`'s context for the use queued right after [`Protocol::enter`] returns.
+    fn prepare_use(&self, stream: &Self::Stream) -> Result<(), BackendError>;
+    /// Fails if `stream`'s context holds an error that makes the end of a use go unmarked (cudarc
+    /// skips a guard's record or wait while its context holds a recorded error); leaves it there.
+    fn end_of_use_marked(&self, stream: &Self::Stream) -> Result<(), BackendError>;
+    /// `stream`'s context.
+    fn context(&self, stream: &Self::Stream) -> Self::Context;
+    /// Whether `stream` belongs to `ctx`.
+    fn in_context(&self, stream: &Self::Stream, ctx: &Self::Context) -> bool;
+    /// Blocks until all the work queued in `ctx` has finished.
+    fn sync_context(&self, ctx: &Self::Context) -> Result<(), BackendError>;
+}
+
+/// What ends a use, once the use is queued (cudarc's `SyncOnDrop` does it when dropped).
+pub(crate) enum EndOfUse<'a, O: UseOps + ?Sized> {
+    /// Nothing: a use on the home stream.
+    Nothing,
+    /// Record the event on the stream of the use.
+    Record(&'a O::Event, &'a O::Stream),
+    /// Wait on the host for the stream of the use.
+    Sync(&'a O::Stream),
+}
+
+/// One buffer's record of its uses on other streams.
+pub(crate) struct Protocol<O: UseOps> {
+    /// Serialises the bookkeeping of concurrent uses.
+    lock: Mutex<()>,
+    /// Recorded on the home stream before a foreign use; the foreign stream waits for it.
+    before: OnceLock<O::Event>,
+    /// Recorded on the foreign stream after its use; the home stream waits for it.
+    after: OnceLock<O::Event>,
+    /// Whether `after` has been handed out for recording.
+    foreign: AtomicBool,
+    /// Whether a use on another stream of the same context is waited for by its guard.
+    synced: AtomicBool,
+    /// Other contexts the buffer was used in (behind `lock`), waited for at the free.
+    contexts: Mutex<Vec<O::Context>>,
+    /// The first failure to order a use by events: the free then waits for the whole context.
+    unordered: OnceLock<BackendError>,
+}
+
+impl<O: UseOps> Default for Protocol<O> {
+    fn default() -> Self {
+        Protocol {
+            lock: Mutex::new(()),
+            before: OnceLock::new(),
+            after: OnceLock::new(),
+            foreign: AtomicBool::new(false),
+            synced: AtomicBool::new(false),
+            contexts: Mutex::new(Vec::new()),
+            unordered: OnceLock::new(),
+        }
+    }
+}
+
+impl<O: UseOps> core::fmt::Debug for Protocol<O> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Uses")
+            .field("foreign", &self.foreign.load(Ordering::Relaxed))
+            .field("synced", &self.synced.load(Ordering::Relaxed))
+            .field("unordered", &self.unordered.get())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The event in `cell`, created on first use.
+fn lazy_event<'a, O: UseOps>(
+    ops: &O,
+    cell: &'a OnceLock<O::Event>,
+    stream: &O::Stream,
+) -> Result<&'a O::Event, BackendError> {
+    if let Some(e) = cell.get() {
+        return Ok(e);
+    }
+    let event = ops.new_event(stream)?;
+    Ok(cell.get_or_init(|| event))
+}
+
+impl<O: UseOps> Protocol<O> {
+    /// Notes that a use could not be ordered by events (the first failure is kept).
+    fn unordered(&self, e: BackendError) {
+        let _ = self.unordered.set(e);
+    }
+
+    /// Before work on the home stream that touches the buffer outside a guard (a memset): makes
+    /// the home stream wait for the end of the last use on another stream, if any. On failure
+    /// nothing was ordered (queue nothing that touches the buffer).
+    pub(crate) fn before_home_use(&self, ops: &O, home: &O::Stream) -> Result<(), BackendError> {
+        if !self.foreign.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        match self.after.get() {
+            Some(after) => ops.wait(home, after),
+            None => Ok(()),
+        }
+    }
+
+    /// [`before_home_use`](Self::before_home_use) before a use that cannot fail (a guard): on
+    /// failure the home stream's later work may overlap that use, and the free waits for the
+    /// whole context.
+    fn home_waits_for_last_foreign_use(&self, ops: &O, home: &O::Stream) {
+        if let Err(e) = self.before_home_use(ops, home) {
+            self.unordered(e);
+        }
+    }
+
+    /// Starts a use on `other` of a buffer whose home stream is `home`; the caller queues the use
+    /// and then ends it as the result says.
+    pub(crate) fn enter<'a>(
+        &'a self,
+        ops: &O,
+        home: &'a O::Stream,
+        other: &'a O::Stream,
+    ) -> EndOfUse<'a, O> {
+        let same_context = ops.same_context(home, other);
+        if same_context && ops.same_stream(home, other) {
+            // A use on the home stream waits for the last use on another stream.
+            self.home_waits_for_last_foreign_use(ops, home);
+            return EndOfUse::Nothing;
+        }
+        let _guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
+        // The previous use on another stream comes before this one too (and what is recorded on
+        // or waited for on the home stream below comes after it).
+        self.home_waits_for_last_foreign_use(ops, home);
+        let end = if same_context {
+            self.enter_same_context(ops, home, other)
+        } else {
+            // Another context: events cannot be recorded across contexts. Wait for the home
+            // stream's work here, for the use itself when its guard ends, and for the whole
+            // context at the free.
+            if let Err(e) = ops.sync(home) {
+                self.unordered(e);
+            }
+            let mut contexts = self.contexts.lock().unwrap_or_else(PoisonError::into_inner);
+            if !contexts.iter().any(|c| ops.in_context(other, c)) {
+                contexts.push(ops.context(other));
+            }
+            EndOfUse::Sync(other)
+        };
+        if let Err(e) = ops.prepare_use(other) {
+            self.unordered(e);
+        }
+        end
+    }
+
+    fn enter_same_context<'a>(
+        &'a self,
+        ops: &O,
+        home: &'a O::Stream,
+        other: &'a O::Stream,
+    ) -> EndOfUse<'a, O> {
+        let ordered = lazy_event(ops, &self.before, home).and_then(|before| {
+            ops.record(before, home)
+                .and_then(|()| ops.wait(other, before))
+        });
+        if let Err(e) = ordered {
+            self.unordered(e);
+            if let Err(e) = ops.sync(home) {
+                self.unordered(e);
+            }
+        }
+        match lazy_event(ops, &self.after, home) {
+            Ok(a) if ops.records_end_of_use(other) => {
+                self.foreign.store(true, Ordering::Release);
+                return EndOfUse::Record(a, other);
+            }
+            // The event would not be recorded: the use is waited for when its guard ends.
+            Ok(_) => self.synced.store(true, Ordering::Release),
+            Err(e) => self.unordered(e),
+        }
+        EndOfUse::Sync(other)
+    }
+
+    /// At the free, before the pool orders it on `home`: makes `home` wait for the uses on other
+    /// streams, and waits for the other contexts the buffer was used in. Fails if a use could not
+    /// be ordered (the pool then waits for the whole device).
+    pub(crate) fn finish(&self, ops: &O, home: &O::Stream) -> Result<(), BackendError> {
+        // A guard's wait for another context's stream is skipped while that context holds an
+        // error: wait for the whole context here (the free of such a buffer is rare).
+        let contexts =
+            core::mem::take(&mut *self.contexts.lock().unwrap_or_else(PoisonError::into_inner));
+        for ctx in &contexts {
+            if let Err(e) = ops.sync_context(ctx) {
+                self.unordered(e);
+            }
+        }
+        if self.synced.load(Ordering::Acquire) {
+            // So is a guard's wait for a use in this context, and once the error is taken out
+            // nothing tells that it was: wait for the whole context (a rare path: a context that
+            // does not manage stream synchronisation).
+            if let Err(e) = ops.sync_context(&ops.context(home)) {
+                self.unordered(e);
+            }
+        }
+        if let Some(e) = self.unordered.get() {
+            // Some use on another stream was not ordered by an event: the pool waits for the
+            // whole context instead.
+            return Err(e.clone());
+        }
+        if self.foreign.load(Ordering::Acquire) {
+            // The record that marks the end of a use is skipped while the context holds a
+            // recorded error (left by another guard of the same call, or another thread): while
+            // one is there, the end of the last use may not be marked.
+            ops.end_of_use_marked(home)?;
+            if let Some(after) = self.after.get() {
+                ops.wait(home, after)?;
+                // A stream query need not count a wait as work (the pool returns an idle stream's
+                // blocks at once): an event recorded after the wait keeps the home stream busy
+                // until the use has ended.
+                let mark = lazy_event(ops, &self.before, home)?;
+                ops.record(mark, home)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,343 @@
+//! The use protocol (a buffer used on streams other than its home stream) on the simulated device,
+//! whose streams record what waits for what: every use of a block must be complete, or ordered
+//! before its next owner's work, when the block is handed out again.
+
+use bfc_alloc::cuda::{DeviceBuffer, DevicePool, PoolOptions, SimBackend, SimDevice, SimStream};
+
+const MIB: usize = 1 << 20;
+
+type Pool = DevicePool<SimBackend>;
+type Buf = DeviceBuffer<u8, SimBackend>;
+
+const A: SimStream = SimStream(1);
+const B: SimStream = SimStream(2);
+const C: SimStream = SimStream(3);
+/// A stream of another context.
+const X: SimStream = SimStream::in_context(1, 7);
+
+fn setup() -> (SimDevice, Pool) {
+    let dev = SimDevice::new(1 << 30);
+    let pool = DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(256 * MIB)).unwrap();
+    (dev, pool)
+}
+
+fn alloc(pool: &Pool, s: SimStream, bytes: usize) -> Buf {
+    // SAFETY: simulated memory is never read.
+    unsafe { pool.alloc::<u8>(&s, bytes) }.unwrap()
+}
+
+/// Checks that every use in `history` of a block overlapping `addr..addr + size` (the block of a
+/// later owner) is done or ordered before item `k` of `s`, a use by that owner.
+fn check_after_history(
+    dev: &SimDevice,
+    history: &[Use],
+    (addr, size): (u64, usize),
+    (s, k): (SimStream, u64),
+    what: &str,
+) {
+    for u in history {
+        if u.addr < addr + size as u64 && addr < u.addr + u.size as u64 {
+            assert!(
+                dev.completed(u.stream) >= u.item || dev.ordered_before((u.stream, u.item), (s, k)),
+                "{what}: {u:?} may overlap the next owner's item {k} on {s:?}"
+            );
+        }
+    }
+}
+
+/// Whether item `k` of `s` is done or ordered before the next item queued on `next`.
+fn before_next(dev: &SimDevice, (s, k): (SimStream, u64), next: SimStream) -> bool {
+    dev.completed(s) >= k || dev.ordered_before((s, k), (next, dev.queued(next) + 1))
+}
+
+#[test]
+fn the_home_stream_waits_for_a_use_on_another_stream_before_reusing_the_block() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    let addr = buf.device_address();
+    let used = buf.simulate_use(B);
+    assert!(
+        !before_next(&dev, (B, used), A),
+        "the use is neither done nor ordered yet"
+    );
+    drop(buf);
+    // The home stream takes its own freed block back at once (stream order protects it), so it
+    // must already wait for the use on B.
+    let again = alloc(&pool, A, MIB);
+    assert_eq!(again.device_address(), addr, "the block was not reused");
+    assert!(
+        before_next(&dev, (B, used), A),
+        "the next owner's work on A may run during the use on B"
+    );
+    assert!(
+        dev.completed(B) < used,
+        "ordered, not waited for on the host"
+    );
+    drop(again);
+    pool.check().unwrap();
+}
+
+#[test]
+fn a_use_on_another_stream_comes_after_the_home_stream_s_work_and_before_later_uses() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    let written = dev.enqueue(A); // a kernel writing the buffer on its home stream
+    let on_b = buf.simulate_use(B);
+    assert!(dev.ordered_before((A, written), (B, on_b)));
+    // The next use on yet another stream, and the next on the home stream, come after it.
+    let on_c = buf.simulate_use(C);
+    assert!(dev.ordered_before((B, on_b), (C, on_c)));
+    let on_a = buf.simulate_use(A);
+    assert!(dev.ordered_before((B, on_b), (A, on_a)));
+    assert!(dev.ordered_before((C, on_c), (A, on_a)));
+    // Nothing was waited for on the host.
+    assert_eq!((dev.completed(A), dev.completed(B)), (0, 0));
+}
+
+#[test]
+fn zeroing_waits_for_the_last_use_on_another_stream() {
+    let (dev, pool) = setup();
+    let mut buf = alloc(&pool, A, MIB);
+    let read = buf.simulate_use(B); // a copy reading the buffer on B
+    buf.zero().unwrap();
+    let memset = dev.queued(A);
+    assert!(
+        dev.ordered_before((B, read), (A, memset)),
+        "the memset may overwrite the buffer while B still reads it"
+    );
+    // Without a use elsewhere the memset is queued on A with no wait.
+    let mut other = alloc(&pool, A, MIB);
+    other.zero().unwrap();
+    assert_eq!(dev.queued(A), memset + 1);
+}
+
+#[test]
+fn a_failed_wait_before_zeroing_queues_nothing() {
+    let (dev, pool) = setup();
+    let mut buf = alloc(&pool, A, MIB);
+    buf.simulate_use(B);
+    dev.set_fail_use_ordering(true);
+    let queued = dev.queued(A);
+    assert!(buf.zero().is_err());
+    assert_eq!(
+        dev.queued(A),
+        queued,
+        "a memset was queued without its wait"
+    );
+}
+
+#[test]
+fn a_use_whose_end_is_not_an_event_is_waited_for_on_the_host() {
+    let (dev, pool) = setup();
+    dev.set_unmanaged_sync(true);
+    let buf = alloc(&pool, A, MIB);
+    let used = buf.simulate_use(B);
+    assert!(dev.completed(B) >= used, "the use was not waited for");
+    drop(buf);
+    let again = alloc(&pool, C, MIB);
+    assert!(before_next(&dev, (B, used), C));
+    drop(again);
+}
+
+#[test]
+fn a_use_waited_for_on_the_host_is_waited_for_again_at_the_free_if_its_guard_skipped_that() {
+    for take_the_error_out in [false, true] {
+        let (dev, pool) = setup();
+        dev.set_unmanaged_sync(true);
+        let buf = alloc(&pool, A, MIB);
+        // The context holds a recorded error: cudarc's guard skips its wait for the use.
+        dev.set_context_error(0, true);
+        let used = buf.simulate_use(B);
+        assert!(dev.completed(B) < used, "the guard's wait was not skipped");
+        if take_the_error_out {
+            // Against the docs' advice, but the pool does not need it on this path.
+            dev.set_context_error(0, false);
+        }
+        drop(buf);
+        assert!(
+            dev.completed(B) >= used,
+            "the free did not wait for the use (error taken out: {take_the_error_out})"
+        );
+    }
+}
+
+#[test]
+fn a_use_in_another_context_is_waited_for_even_when_its_guard_skips_the_wait() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    let written = dev.enqueue(A);
+    // The other context holds a recorded error: cudarc's guard skips its wait for the use.
+    dev.set_context_error(X.context(), true);
+    let used = buf.simulate_use(X);
+    assert!(
+        dev.completed(A) >= written,
+        "the home stream was not waited for"
+    );
+    assert!(dev.completed(X) < used, "the guard's wait was not skipped");
+    drop(buf);
+    assert!(
+        dev.completed(X) >= used,
+        "the block went back while the use in the other context may still run"
+    );
+    let again = alloc(&pool, A, MIB);
+    assert!(before_next(&dev, (X, used), A));
+    drop(again);
+}
+
+#[test]
+fn an_unmarked_end_of_use_makes_the_free_wait_for_the_device() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    // The home context holds a recorded error: the guard's event record is skipped.
+    dev.set_context_error(0, true);
+    let used = buf.simulate_use(B);
+    let syncs = dev.device_syncs();
+    drop(buf);
+    assert_eq!(dev.device_syncs(), syncs + 1);
+    assert!(dev.completed(B) >= used);
+    assert!(
+        !pool.take_errors().is_empty(),
+        "the reason was not reported"
+    );
+}
+
+#[test]
+fn failed_ordering_makes_the_free_wait_for_the_device() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    dev.set_fail_use_ordering(true);
+    let used = buf.simulate_use(B);
+    dev.set_fail_use_ordering(false);
+    drop(buf);
+    assert!(
+        dev.completed(B) >= used,
+        "the free did not wait for the use"
+    );
+    assert!(!pool.take_errors().is_empty());
+}
+
+/// What the docs ask of a user before taking a context's recorded error out (the pool cannot see
+/// a use whose end cudarc skipped once the error is gone): synchronise its streams.
+fn settle(dev: &SimDevice, streams: &[SimStream]) {
+    loop {
+        let before: Vec<u64> = streams.iter().map(|&s| dev.completed(s)).collect();
+        for &s in streams {
+            dev.complete(s);
+        }
+        if streams.iter().map(|&s| dev.completed(s)).eq(before) {
+            return;
+        }
+    }
+}
+
+/// One use of a block: its address range and the item of work that used it.
+#[derive(Clone, Copy, Debug)]
+struct Use {
+    addr: u64,
+    size: usize,
+    stream: SimStream,
+    item: u64,
+}
+
+#[test]
+fn random_uses_never_overlap_the_next_owner() {
+    let streams = [A, B, C, SimStream(4), X];
+    let home_context = [A, B, C, SimStream(4)];
+    let sizes = [256, 4096, 100_000, MIB, 3 * MIB];
+    for seed in 1..=200u64 {
+        let (dev, pool) = setup();
+        let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let mut next = move |n: usize| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % n as u64) as usize
+        };
+        let mut live: Vec<(Buf, Vec<Use>)> = Vec::new();
+        // Uses of freed blocks, kept until they complete.
+        let mut history: Vec<Use> = Vec::new();
+        // Which contexts hold a recorded error: [the pool's, X's].
+        let mut errors = [false, false];
+        for step in 0..3000 {
+            match next(12) {
+                0..=2 if live.len() < 48 => {
+                    let home = streams[next(4)];
+                    let buf = alloc(&pool, home, sizes[next(sizes.len())]);
+                    let (addr, size) = (buf.device_address(), buf.block_size());
+                    history.retain(|u| dev.completed(u.stream) < u.item);
+                    let next_item = (home, dev.queued(home) + 1);
+                    let what = format!("seed {seed} step {step}, a new block");
+                    check_after_history(&dev, &history, (addr, size), next_item, &what);
+                    live.push((buf, Vec::new()));
+                }
+                3..=5 if !live.is_empty() => {
+                    let i = next(live.len());
+                    let stream = streams[next(streams.len())];
+                    let (buf, uses) = &mut live[i];
+                    let item = buf.simulate_use(stream);
+                    let block = (buf.device_address(), buf.block_size());
+                    let what = format!("seed {seed} step {step}, a use");
+                    check_after_history(&dev, &history, block, (stream, item), &what);
+                    uses.push(Use {
+                        addr: buf.device_address(),
+                        size: buf.block_size(),
+                        stream,
+                        item,
+                    });
+                }
+                6 if !live.is_empty() => {
+                    let i = next(live.len());
+                    let (buf, uses) = &mut live[i];
+                    if buf.zero().is_ok() {
+                        let home = *buf.home_stream();
+                        let block = (buf.device_address(), buf.block_size());
+                        let what = format!("seed {seed} step {step}, a memset");
+                        check_after_history(&dev, &history, block, (home, dev.queued(home)), &what);
+                        uses.push(Use {
+                            addr: buf.device_address(),
+                            size: buf.block_size(),
+                            stream: home,
+                            item: dev.queued(home),
+                        });
+                    }
+                }
+                7..=8 if !live.is_empty() => {
+                    let (buf, uses) = live.swap_remove(next(live.len()));
+                    drop(buf);
+                    history.extend(uses);
+                }
+                9 => {
+                    let s = streams[next(streams.len())];
+                    let to = dev.completed(s) + 1 + next(4) as u64;
+                    dev.complete_to(s, to);
+                }
+                10 => match next(4) {
+                    0 => dev.set_fail_use_ordering(next(2) == 0),
+                    1 => dev.set_unmanaged_sync(next(2) == 0),
+                    k => {
+                        let (i, ctx, streams) = if k == 2 {
+                            (1, X.context(), &[X][..])
+                        } else {
+                            (0, 0, &home_context[..])
+                        };
+                        let on = next(2) == 0;
+                        if errors[i] && !on {
+                            settle(&dev, streams);
+                        }
+                        errors[i] = on;
+                        dev.set_context_error(ctx, on);
+                    }
+                },
+                _ => {
+                    if next(8) == 0 {
+                        pool.trim();
+                    }
+                }
+            }
+        }
+        drop(live);
+        dev.complete_all();
+        pool.synchronize();
+        pool.check().unwrap();
+    }
+}
