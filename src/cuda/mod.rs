@@ -50,6 +50,12 @@
 //! Per-thread default streams (`CudaContext::per_thread_stream`) are refused: their one handle
 //! names a different stream on every thread.
 //!
+//! Stream capture (CUDA graphs) is not supported: the pool queries streams and events, allocates
+//! from the driver and records events as it goes, which a capturing stream refuses (and a capture
+//! in the global mode can be invalidated by), and a block freed during a capture would be reused
+//! before the graph replays. Allocate the buffers a graph uses before capturing it, and free them
+//! after its last replay.
+//!
 //! Uses on other streams are ordered when they go through cudarc's `DevicePtr::device_ptr` /
 //! `DevicePtrMut::device_ptr_mut` (as `memcpy_*` do): the other stream first waits for the home
 //! stream, and the home stream waits for that use before the free is recorded and before
