@@ -140,24 +140,86 @@ fn a_use_whose_end_is_not_an_event_is_waited_for_on_the_host() {
 }
 
 #[test]
-fn a_use_waited_for_on_the_host_is_waited_for_again_at_the_free_if_its_guard_skipped_that() {
-    for take_the_error_out in [false, true] {
-        let (dev, pool) = setup();
-        dev.set_unmanaged_sync(true);
-        let buf = alloc(&pool, A, MIB);
-        // The context holds a recorded error: cudarc's guard skips its wait for the use.
-        dev.set_context_error(0, true);
-        let used = buf.simulate_use(B);
-        assert!(dev.completed(B) < used, "the guard's wait was not skipped");
-        if take_the_error_out {
-            // Against the docs' advice, but the pool does not need it on this path.
-            dev.set_context_error(0, false);
-        }
-        drop(buf);
-        assert!(
-            dev.completed(B) >= used,
-            "the free did not wait for the use (error taken out: {take_the_error_out})"
-        );
+fn a_use_whose_host_wait_was_skipped_makes_the_free_wait_for_the_device() {
+    let (dev, pool) = setup();
+    dev.set_unmanaged_sync(true);
+    let buf = alloc(&pool, A, MIB);
+    // The context holds a recorded error: cudarc's guard skips its wait for the use.
+    dev.set_context_error(0, true);
+    let used = buf.simulate_use(B);
+    assert!(dev.completed(B) < used, "the guard's wait was not skipped");
+    let syncs = dev.device_syncs();
+    drop(buf);
+    assert_eq!(dev.device_syncs(), syncs + 1);
+    assert!(
+        dev.completed(B) >= used,
+        "the free did not wait for the use"
+    );
+}
+
+/// Checks that item `k` of `s` is done or ordered before the last item queued on `A`.
+fn before_last_on_a(dev: &SimDevice, (s, k): (SimStream, u64), what: &str) {
+    let memset = dev.queued(A);
+    assert!(
+        dev.completed(s) >= k || dev.ordered_before((s, k), (A, memset)),
+        "{what}: the memset on A may overwrite the buffer while item {k} on {s:?} still uses it"
+    );
+}
+
+#[test]
+fn zeroing_waits_for_uses_that_no_event_orders() {
+    // A use in another context whose guard skipped its wait.
+    let (dev, pool) = setup();
+    let mut buf = alloc(&pool, A, MIB);
+    dev.set_context_error(X.context(), true);
+    let read = buf.simulate_use(X);
+    buf.zero().unwrap();
+    before_last_on_a(&dev, (X, read), "another context");
+    // A use waited for on the host, whose guard skipped that.
+    let (dev, pool) = setup();
+    dev.set_unmanaged_sync(true);
+    let mut buf = alloc(&pool, A, MIB);
+    dev.set_context_error(0, true);
+    let read = buf.simulate_use(B);
+    buf.zero().unwrap();
+    before_last_on_a(&dev, (B, read), "unmanaged");
+    // A use that could not be ordered.
+    let (dev, pool) = setup();
+    let mut buf = alloc(&pool, A, MIB);
+    buf.simulate_use(B);
+    dev.set_fail_use_ordering(true);
+    let read = buf.simulate_use(C);
+    dev.set_fail_use_ordering(false);
+    buf.zero().unwrap();
+    before_last_on_a(&dev, (C, read), "unordered");
+    // The same, on the home stream through a guard.
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    dev.set_fail_use_ordering(true);
+    let read = buf.simulate_use(C);
+    dev.set_fail_use_ordering(false);
+    buf.simulate_use(A);
+    before_last_on_a(&dev, (C, read), "a home-stream use after an unordered one");
+}
+
+#[test]
+fn a_use_in_another_context_that_cannot_be_waited_for_strands_the_block() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    let addr = buf.device_address();
+    dev.set_context_error(X.context(), true);
+    let used = buf.simulate_use(X);
+    dev.set_fail_context_sync(X.context(), true);
+    drop(buf);
+    assert!(dev.completed(X) < used);
+    assert_eq!(pool.stats().stranded_bytes, MIB);
+    assert!(!pool.take_errors().is_empty());
+    // The pool's own device synchronisation does not reach the other context: the block is
+    // never handed out again.
+    pool.synchronize();
+    for s in [A, B, C] {
+        let b = alloc(&pool, s, MIB);
+        assert_ne!(b.device_address(), addr, "a stranded block was handed out");
     }
 }
 

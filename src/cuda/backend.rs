@@ -116,9 +116,34 @@ pub trait DeviceBackend: Send + 'static {
     ) -> Result<(), BackendError>;
 
     /// Called when a buffer is freed, before the pool orders the free on `stream` (the buffer's own
-    /// stream): makes `stream` wait for the buffer's uses on other streams that `uses` recorded. If
-    /// it fails, the pool waits for the whole device instead (and if that fails too, never reuses
-    /// the block).
-    fn finish_uses(&mut self, stream: &Self::Stream, uses: &Self::Uses)
-        -> Result<(), BackendError>;
+    /// stream): makes `stream` wait for the buffer's uses on other streams that `uses` recorded. On
+    /// [`UsesError::Unordered`] the pool waits for the whole device instead (and if that fails too,
+    /// never reuses the block); on [`UsesError::Unbounded`] it never reuses the block.
+    fn finish_uses(&mut self, stream: &Self::Stream, uses: &Self::Uses) -> Result<(), UsesError>;
+}
+
+/// Why [`DeviceBackend::finish_uses`] could not order a buffer's uses before its free.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UsesError {
+    /// Some use was not ordered by an event, but waiting for the whole device
+    /// ([`DeviceBackend::synchronize`]) covers it.
+    Unordered(BackendError),
+    /// Some use may still run where waiting for the device does not reach (another context that
+    /// could not be waited for): the block must never be handed out again.
+    Unbounded(BackendError),
+}
+
+impl UsesError {
+    /// The driver failure behind it.
+    pub fn error(&self) -> &BackendError {
+        match self {
+            UsesError::Unordered(e) | UsesError::Unbounded(e) => e,
+        }
+    }
+}
+
+impl From<BackendError> for UsesError {
+    fn from(e: BackendError) -> Self {
+        UsesError::Unordered(e)
+    }
 }

@@ -12,7 +12,7 @@ use cudarc::driver::{
     LaunchArgs, PushKernelArg, SyncOnDrop, ValidAsZeroBits,
 };
 
-use super::backend::{BackendError, DeviceBackend};
+use super::backend::{BackendError, DeviceBackend, UsesError};
 use super::buffer::DeviceBuffer;
 use super::error::PoolError;
 use super::pool::{DevicePool, PoolOptions, EVENT_CACHE};
@@ -216,11 +216,7 @@ impl DeviceBackend for CudaBackend {
             .map_err(err("cuMemsetD8Async"))
     }
 
-    fn finish_uses(
-        &mut self,
-        stream: &Arc<CudaStream>,
-        uses: &CudaUses,
-    ) -> Result<(), BackendError> {
+    fn finish_uses(&mut self, stream: &Arc<CudaStream>, uses: &CudaUses) -> Result<(), UsesError> {
         uses.protocol.finish(&CudaOps, stream)
     }
 }
@@ -264,8 +260,10 @@ fn sync_raw(stream: &CudaStream) -> Result<(), BackendError> {
 ///   `device_ptr`/`device_ptr_mut`.
 ///
 /// A stream of another context (even a default stream, whose handle is null in every context) is
-/// another stream: the home stream's work is waited for on the host before the use, the use itself
-/// before the call returns, and that whole context again when the buffer is freed.
+/// another stream: the home stream's work is waited for on the host before the use, and the use
+/// itself before the call returns (if cudarc skipped that wait, see below, the buffer's free and
+/// [`DeviceBuffer::zero`] wait for that whole context; if even that fails, the block is never
+/// handed out again).
 ///
 /// The calls go through the driver directly, not through cudarc's context, so a failure here does
 /// not become the context's recorded error, which would make cudarc skip the event record that
@@ -276,7 +274,7 @@ fn sync_raw(stream: &CudaStream) -> Result<(), BackendError> {
 ///
 /// cudarc marks the end of a use with the guard `device_ptr` returns, and skips that when the
 /// context holds a recorded error at that moment: while the home context holds one, the free of a
-/// buffer used on another stream waits for the whole context. So after a call that used the buffer
+/// buffer used on another stream waits for the whole context, and so does `zero`. So after a call that used the buffer
 /// on another stream left an error in the context (`check_err`), synchronise that stream before you
 /// take the error out or drop the buffer: the pool can no longer tell once the error is gone (any
 /// fallible cudarc call in the context may take it).
@@ -335,8 +333,7 @@ impl UseOps for CudaOps {
         bind(stream.context())
     }
 
-    fn end_of_use_marked(&self, stream: &CudaStream) -> Result<(), BackendError> {
-        let ctx = stream.context();
+    fn context_error(&self, ctx: &Arc<CudaContext>) -> Result<(), BackendError> {
         match ctx.check_err() {
             Ok(()) => Ok(()),
             Err(e) => {
@@ -344,10 +341,7 @@ impl UseOps for CudaOps {
                 ctx.record_err::<()>(Err(e));
                 Err(BackendError::new(
                     "cuEventRecord",
-                    std::format!(
-                        "the context holds a recorded error ({e}), so the end of a use on another \
-                         stream may not have been recorded"
-                    ),
+                    std::format!("the context holds a recorded error ({e})"),
                 ))
             }
         }
@@ -362,8 +356,15 @@ impl UseOps for CudaOps {
     }
 
     fn sync_context(&self, ctx: &Arc<CudaContext>) -> Result<(), BackendError> {
+        let current = result::ctx::get_current().map_err(err("cuCtxGetCurrent"))?;
         bind(ctx)?;
-        result::ctx::synchronize().map_err(err("cuCtxSynchronize"))
+        let synced = result::ctx::synchronize().map_err(err("cuCtxSynchronize"));
+        if let Some(c) = current.filter(|&c| c != ctx.cu_ctx()) {
+            // SAFETY: `c` was this thread's current context when this call began, and nothing here
+            // destroys a context.
+            unsafe { result::ctx::set_current(c) }.map_err(err("cuCtxSetCurrent"))?;
+        }
+        synced
     }
 }
 

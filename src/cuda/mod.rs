@@ -60,7 +60,7 @@
 //! `DevicePtrMut::device_ptr_mut` (as `memcpy_*` do): the other stream first waits for the home
 //! stream, and the home stream waits for that use before the free is recorded and before
 //! [`DeviceBuffer::zero`] ([`CudaUses`]). A stream of another context is waited for on the host
-//! instead, around the use and (the whole context) at the free. A raw
+//! instead, around the use. A raw
 //! address ([`DeviceBuffer::device_address`]), a kernel argument on another stream, or a peer copy
 //! to another context's memory (`memcpy_dtod` on that context's stream) is yours to order.
 //!
@@ -108,7 +108,7 @@ mod sim;
 mod source;
 mod uses;
 
-pub use backend::{BackendError, DeviceBackend};
+pub use backend::{BackendError, DeviceBackend, UsesError};
 pub use buffer::DeviceBuffer;
 pub use driver::{device_count, driver_available, CudaBackend, CudaUses};
 pub use error::{DeviceOom, DeviceStats, PoolError};

@@ -7,7 +7,7 @@ use std::sync::{Arc, PoisonError};
 use crate::sync::{Mutex, MutexGuard};
 use std::vec::Vec;
 
-use super::backend::DeviceBackend;
+use super::backend::{DeviceBackend, UsesError};
 use super::buffer::DeviceBuffer;
 use super::error::{DeviceOom, DeviceStats, PoolError};
 use super::source::DeviceSource;
@@ -511,13 +511,21 @@ impl<B: DeviceBackend> Shared<B> {
     pub(crate) fn free_block(&self, ptr: u64, size: usize, stream: &B::Stream, uses: &B::Uses) {
         let sid = B::stream_id(stream);
         let mut st = self.lock();
-        if let Err(e) = st.backend().finish_uses(stream, uses) {
-            st.defer(PoolError::Backend(e));
-            // The buffer's uses on other streams are not ordered before anything queued on its
-            // stream from now on: wait for the whole device instead.
-            if let Err(e) = st.backend().synchronize() {
+        match st.backend().finish_uses(stream, uses) {
+            Ok(()) => {}
+            Err(UsesError::Unordered(e)) => {
                 st.defer(PoolError::Backend(e));
-                // Nothing says when those uses end: never hand the block out again.
+                // The buffer's uses on other streams are not ordered before anything queued on its
+                // stream from now on: wait for the whole device instead.
+                if let Err(e) = st.backend().synchronize() {
+                    st.defer(PoolError::Backend(e));
+                    // Nothing says when those uses end: never hand the block out again.
+                    st.stranded_bytes += size;
+                    return;
+                }
+            }
+            Err(UsesError::Unbounded(e)) => {
+                st.defer(PoolError::Backend(e));
                 st.stranded_bytes += size;
                 return;
             }

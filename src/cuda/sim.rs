@@ -20,7 +20,7 @@ use std::sync::{Arc, PoisonError};
 use crate::sync::{Mutex, MutexGuard};
 use std::vec::Vec;
 
-use super::backend::{BackendError, DeviceBackend};
+use super::backend::{BackendError, DeviceBackend, UsesError};
 use super::buffer::DeviceBuffer;
 use super::uses::{EndOfUse, Protocol, UseOps};
 use crate::core::sim::SimSource;
@@ -88,6 +88,8 @@ struct SimState {
     unmanaged_sync: bool,
     /// Contexts holding a recorded error (cudarc then skips a use guard's record or wait).
     context_errors: Vec<u32>,
+    /// Contexts whose synchronisation by the use protocol fails.
+    fail_context_syncs: Vec<u32>,
 }
 
 /// Work on one simulated stream. Items are numbered from 1 in queue order and complete in order.
@@ -214,6 +216,7 @@ impl SimDevice {
                 fail_use_ordering: false,
                 unmanaged_sync: false,
                 context_errors: Vec::new(),
+                fail_context_syncs: Vec::new(),
             })),
         }
     }
@@ -274,6 +277,15 @@ impl SimDevice {
         st.context_errors.retain(|&c| c != ctx);
         if error {
             st.context_errors.push(ctx);
+        }
+    }
+
+    /// Makes the use protocol's synchronisation of context `ctx` fail, or not.
+    pub fn set_fail_context_sync(&self, ctx: u32, fail: bool) {
+        let mut st = self.lock();
+        st.fail_context_syncs.retain(|&c| c != ctx);
+        if fail {
+            st.fail_context_syncs.push(ctx);
         }
     }
 
@@ -518,7 +530,13 @@ impl DeviceBackend for SimBackend {
             return Err(failed("cuCtxSynchronize"));
         }
         st.device_syncs += 1;
-        let ids: Vec<u64> = st.streams.iter().map(|s| s.id).collect();
+        // `cuCtxSynchronize`: the pool's context (0) only.
+        let ids: Vec<u64> = st
+            .streams
+            .iter()
+            .filter(|s| SimStream(s.id).context() == 0)
+            .map(|s| s.id)
+            .collect();
         for id in ids {
             st.force(id, u64::MAX);
         }
@@ -537,9 +555,9 @@ impl DeviceBackend for SimBackend {
         Ok(())
     }
 
-    fn finish_uses(&mut self, stream: &SimStream, uses: &SimUses) -> Result<(), BackendError> {
+    fn finish_uses(&mut self, stream: &SimStream, uses: &SimUses) -> Result<(), UsesError> {
         if self.device.lock().fail_finish_uses {
-            return Err(failed("cuStreamWaitEvent"));
+            return Err(failed("cuStreamWaitEvent").into());
         }
         uses.protocol.finish(&self.device, stream)
     }
@@ -613,9 +631,12 @@ impl UseOps for SimDevice {
         Ok(())
     }
 
-    fn end_of_use_marked(&self, stream: &SimStream) -> Result<(), BackendError> {
-        if self.lock().context_errors.contains(&stream.context()) {
-            return Err(failed("cuEventRecord"));
+    fn context_error(&self, ctx: &u32) -> Result<(), BackendError> {
+        if self.lock().context_errors.contains(ctx) {
+            return Err(BackendError::new(
+                "cuEventRecord",
+                "the context holds a recorded error (simulated)",
+            ));
         }
         Ok(())
     }
@@ -630,7 +651,7 @@ impl UseOps for SimDevice {
 
     fn sync_context(&self, ctx: &u32) -> Result<(), BackendError> {
         let mut st = self.lock();
-        if st.fail_synchronize {
+        if st.fail_context_syncs.contains(ctx) {
             return Err(failed("cuCtxSynchronize"));
         }
         let ids: Vec<u64> = st

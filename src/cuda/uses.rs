@@ -12,17 +12,23 @@
 //!   another stream, and before later uses on the home stream that go through the protocol
 //!   ([`Protocol::before_home_use`]);
 //! - a use on a stream of another context (events cannot cross contexts) is waited for on the
-//!   host: the home stream before the use, the use when its guard ends, and that whole context
-//!   again at the free (the guard's wait can be skipped, see [`Protocol::finish`]);
+//!   host: the home stream before the use, and the use when its guard ends;
 //! - when an event cannot mark the end of a use (it could not be created, or the other stream's
 //!   context does not manage stream synchronisation), the use is waited for on the host when its
-//!   guard ends, and the home context at the free (that wait can be skipped too);
-//! - if a step fails, [`Protocol::finish`] fails: the pool then waits for the whole device.
+//!   guard ends;
+//! - cudarc skips a guard's record or wait while the guard's context holds a recorded error: the
+//!   free, and home-stream work outside a guard ([`Protocol::before_home_use`]), then wait for that
+//!   whole context (another context) or fail so that the pool waits for the device (the home one);
+//! - if a step fails, [`Protocol::finish`] fails: the pool then waits for the whole device, or,
+//!   for another context it could not wait for, never reuses the block.
+//!
+//! Once a context's recorded error is taken out (`check_err`), nothing tells that a guard skipped
+//! its record or wait: the docs ask users to synchronise the stream of such a call first.
 
 use std::sync::{OnceLock, PoisonError};
 use std::vec::Vec;
 
-use super::backend::BackendError;
+use super::backend::{BackendError, UsesError};
 use crate::sync::{AtomicBool, Mutex, Ordering};
 
 /// The stream and event operations the protocol needs. The calls must not change the error state
@@ -52,14 +58,15 @@ pub(crate) trait UseOps {
     fn records_end_of_use(&self, stream: &Self::Stream) -> bool;
     /// Prepares `stream`'s context for the use queued right after [`Protocol::enter`] returns.
     fn prepare_use(&self, stream: &Self::Stream) -> Result<(), BackendError>;
-    /// Fails if `stream`'s context holds an error that makes the end of a use go unmarked (cudarc
-    /// skips a guard's record or wait while its context holds a recorded error); leaves it there.
-    fn end_of_use_marked(&self, stream: &Self::Stream) -> Result<(), BackendError>;
     /// `stream`'s context.
     fn context(&self, stream: &Self::Stream) -> Self::Context;
     /// Whether `stream` belongs to `ctx`.
     fn in_context(&self, stream: &Self::Stream, ctx: &Self::Context) -> bool;
-    /// Blocks until all the work queued in `ctx` has finished.
+    /// Fails if `ctx` holds an error that makes the end of a use go unmarked (cudarc skips a
+    /// guard's record or wait while its context holds a recorded error); leaves the error there.
+    fn context_error(&self, ctx: &Self::Context) -> Result<(), BackendError>;
+    /// Blocks until all the work queued in `ctx` has finished (leaving the calling thread's
+    /// current context as it was).
     fn sync_context(&self, ctx: &Self::Context) -> Result<(), BackendError>;
 }
 
@@ -134,10 +141,21 @@ impl<O: UseOps> Protocol<O> {
         let _ = self.unordered.set(e);
     }
 
-    /// Before work on the home stream that touches the buffer outside a guard (a memset): makes
-    /// the home stream wait for the end of the last use on another stream, if any. On failure
-    /// nothing was ordered (queue nothing that touches the buffer).
+    /// Before work on the home stream that touches the buffer (a memset, or a use through a
+    /// guard): makes the home stream wait for the end of the last use on another stream, and waits
+    /// on the host for uses that no event orders (a guard skipped its wait, or ordering failed).
+    /// On failure nothing was ordered (queue nothing that touches the buffer).
     pub(crate) fn before_home_use(&self, ops: &O, home: &O::Stream) -> Result<(), BackendError> {
+        self.sync_unmarked_contexts(ops)?;
+        let unordered = self.unordered.get().is_some();
+        if unordered || self.synced.load(Ordering::Acquire) {
+            // A failed ordering, or a guard's wait skipped while the home context held an error:
+            // wait for the whole home context (where those uses ran).
+            let ctx = ops.context(home);
+            if unordered || ops.context_error(&ctx).is_err() {
+                ops.sync_context(&ctx)?;
+            }
+        }
         if !self.foreign.load(Ordering::Acquire) {
             return Ok(());
         }
@@ -145,6 +163,18 @@ impl<O: UseOps> Protocol<O> {
             Some(after) => ops.wait(home, after),
             None => Ok(()),
         }
+    }
+
+    /// Waits for each other context the buffer was used in that holds a recorded error (a guard's
+    /// wait there may have been skipped).
+    fn sync_unmarked_contexts(&self, ops: &O) -> Result<(), BackendError> {
+        let contexts = self.contexts.lock().unwrap_or_else(PoisonError::into_inner);
+        for ctx in contexts.iter() {
+            if ops.context_error(ctx).is_err() {
+                ops.sync_context(ctx)?;
+            }
+        }
+        Ok(())
     }
 
     /// [`before_home_use`](Self::before_home_use) before a use that cannot fail (a guard): on
@@ -224,36 +254,32 @@ impl<O: UseOps> Protocol<O> {
     }
 
     /// At the free, before the pool orders it on `home`: makes `home` wait for the uses on other
-    /// streams, and waits for the other contexts the buffer was used in. Fails if a use could not
-    /// be ordered (the pool then waits for the whole device).
-    pub(crate) fn finish(&self, ops: &O, home: &O::Stream) -> Result<(), BackendError> {
+    /// streams. Fails if a use could not be ordered: [`UsesError::Unordered`] if waiting for the
+    /// home context covers it, [`UsesError::Unbounded`] if a use in another context may still run.
+    pub(crate) fn finish(&self, ops: &O, home: &O::Stream) -> Result<(), UsesError> {
         // A guard's wait for another context's stream is skipped while that context holds an
-        // error: wait for the whole context here (the free of such a buffer is rare).
-        let contexts =
-            core::mem::take(&mut *self.contexts.lock().unwrap_or_else(PoisonError::into_inner));
-        for ctx in &contexts {
-            if let Err(e) = ops.sync_context(ctx) {
-                self.unordered(e);
-            }
-        }
-        if self.synced.load(Ordering::Acquire) {
-            // So is a guard's wait for a use in this context, and once the error is taken out
-            // nothing tells that it was: wait for the whole context (a rare path: a context that
-            // does not manage stream synchronisation).
-            if let Err(e) = ops.sync_context(&ops.context(home)) {
-                self.unordered(e);
-            }
-        }
+        // error: then wait for that whole context here. If even that fails, the pool's wait for
+        // its own device does not reach it.
+        self.sync_unmarked_contexts(ops)
+            .map_err(UsesError::Unbounded)?;
         if let Some(e) = self.unordered.get() {
             // Some use on another stream was not ordered by an event: the pool waits for the
             // whole context instead.
-            return Err(e.clone());
+            return Err(UsesError::Unordered(e.clone()));
         }
-        if self.foreign.load(Ordering::Acquire) {
-            // The record that marks the end of a use is skipped while the context holds a
-            // recorded error (left by another guard of the same call, or another thread): while
-            // one is there, the end of the last use may not be marked.
-            ops.end_of_use_marked(home)?;
+        if self.foreign.load(Ordering::Acquire) || self.synced.load(Ordering::Acquire) {
+            // The record (or the wait) that marks the end of a use is skipped while the context
+            // holds a recorded error (left by another guard of the same call, or another thread):
+            // while one is there, the end of the last use may not be marked.
+            if let Err(e) = ops.context_error(&ops.context(home)) {
+                return Err(UsesError::Unordered(BackendError::new(
+                    e.op,
+                    std::format!(
+                        "{}; so the end of a use on another stream may not have been marked",
+                        e.message
+                    ),
+                )));
+            }
             if let Some(after) = self.after.get() {
                 ops.wait(home, after)?;
                 // A stream query need not count a wait as work (the pool returns an idle stream's
