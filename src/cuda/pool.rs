@@ -1,4 +1,4 @@
-//! The pool: the engine behind a mutex, plus the list of frees still pending on a stream.
+//! The pool: the engine behind a mutex, plus the frees still pending on their streams.
 
 use std::boxed::Box;
 use std::collections::VecDeque;
@@ -113,46 +113,53 @@ pub fn min_system_memory(available: usize, cc_major: i32) -> usize {
 /// event is recorded for all of them (see the [module documentation](super)).
 pub const OPEN_LIMIT: usize = 32;
 
-/// How a pending block's free is ordered after the work queued before it on its stream.
+/// How a batch of pending blocks is ordered after the work queued before their frees on their
+/// stream.
 enum Order<E> {
-    /// No event yet: only its own stream may take it (stream order protects it). The stream's
+    /// No event yet: only its own stream may take them (stream order protects them). The stream's
     /// open and unordered blocks are closed together (see [`State::close`]) when the stream
     /// misses, when another stream misses and the engine has no free chunk for it, when the stream
     /// has more than [`OPEN_LIMIT`] of them, and on trim, synchronisation, out-of-memory and pool
     /// drop.
     Open,
-    /// An event recorded on its stream after the free, shared by the blocks closed together.
-    Event(Arc<E>),
-    /// Recording the event failed: the next close of its stream (or a device-wide
-    /// synchronisation) orders it.
+    /// An event recorded on the stream after the frees.
+    Event(E),
+    /// Recording the event failed: the next close of the stream (or a device-wide
+    /// synchronisation) orders them.
     Unordered,
 }
 
-/// A block freed on `stream` whose work may still be running.
-struct Pending<S, E> {
-    ptr: usize,
-    size: usize,
+/// Blocks freed on one stream and closed together (or still open), sharing one [`Order`].
+struct Batch<E> {
+    order: Order<E>,
+    /// `(address, size)`, in no particular order.
+    blocks: Vec<(usize, usize)>,
+}
+
+/// The blocks freed on one stream whose work may still be running, in batches, oldest first.
+/// Invariants: no batch is empty (except transiently inside a method); the batches with an event
+/// come first (events of one stream complete in order), the open and unordered ones after them.
+struct Queue<S, E> {
     stream_id: u64,
-    /// Kept alive while the block is pending, so that an event can still be recorded on it, and the
+    /// Kept alive while blocks are pending, so that an event can still be recorded on it, and the
     /// id of a stream the pool's handles own cannot be reused by a new stream meanwhile.
     stream: S,
-    order: Order<E>,
+    batches: VecDeque<Batch<E>>,
+    /// Blocks in the batches without an event.
+    open: usize,
 }
 
 /// Everything behind the pool's lock.
 pub(crate) struct State<B: DeviceBackend> {
     bfc: Bfc<DeviceSource<B>, Vec<Chunk>>,
-    /// Freed blocks waiting for their stream, oldest first. Invariants: each is in use in `bfc`,
-    /// `pending_bytes` is the sum of their sizes, and a stream's open blocks come after its blocks
-    /// with an event.
-    pending: VecDeque<Pending<B::Stream, B::Event>>,
+    /// Freed blocks waiting for their stream, one queue per stream with any. Invariants: each block
+    /// is in use in `bfc`, `pending_blocks` and `pending_bytes` count them, and no queue is empty.
+    queues: Vec<Queue<B::Stream, B::Event>>,
+    pending_blocks: usize,
     pending_bytes: usize,
     /// Blocks freed while the driver could neither order nor wait for their uses: kept in use in
     /// the engine forever.
     stranded_bytes: usize,
-    /// Scratch for `poll_pending`: per stream seen, whether its last queried event is done, and
-    /// that event's address (blocks closed together share it: one query for all).
-    polled: Vec<(u64, bool, usize)>,
     /// Errors that happened where none could be returned (in `Drop`), oldest first.
     errors: Vec<PoolError>,
 }
@@ -186,57 +193,82 @@ impl<B: DeviceBackend> State<B> {
         }
     }
 
-    /// Removes the pending block at `i` (recycling its event if no other block shares it) and
-    /// returns its address and size; the block stays in use in the engine.
-    fn remove_pending(&mut self, i: usize) -> Option<(usize, usize)> {
-        let p = self.pending.remove(i)?;
-        self.pending_bytes -= p.size;
-        if let Order::Event(e) = p.order {
-            if let Ok(e) = Arc::try_unwrap(e) {
-                self.backend().recycle_event(e);
-            }
-        }
-        Some((p.ptr, p.size))
+    fn queue_of(&self, sid: u64) -> Option<usize> {
+        self.queues.iter().position(|q| q.stream_id == sid)
     }
 
-    /// Returns the pending block at `i` to the engine.
-    fn release_pending(&mut self, i: usize) {
-        if let Some((ptr, _)) = self.remove_pending(i) {
+    /// Returns a batch's blocks to the engine and recycles its event.
+    fn release_batch(&mut self, batch: Batch<B::Event>) {
+        for &(ptr, size) in &batch.blocks {
+            self.pending_blocks -= 1;
+            self.pending_bytes -= size;
             if let Err(e) = self.bfc.deallocate(ptr) {
                 self.defer(PoolError::Free(e));
             }
         }
+        self.recycle(batch.order);
+    }
+
+    fn recycle(&mut self, order: Order<B::Event>) {
+        if let Order::Event(e) = order {
+            self.backend().recycle_event(e);
+        }
+    }
+
+    /// Drops the queues left without blocks (and so their stream handles).
+    fn drop_empty_queues(&mut self) {
+        self.queues.retain(|q| !q.batches.is_empty());
+    }
+
+    /// Adds the block at `ptr` (of `size` bytes), freed on `stream`, to its stream's open blocks.
+    fn push_open(&mut self, stream: &B::Stream, ptr: usize, size: usize) {
+        let sid = B::stream_id(stream);
+        let qi = match self.queue_of(sid) {
+            Some(qi) => qi,
+            None => {
+                self.queues.push(Queue {
+                    stream_id: sid,
+                    stream: stream.clone(),
+                    batches: VecDeque::new(),
+                    open: 0,
+                });
+                self.queues.len() - 1
+            }
+        };
+        let q = &mut self.queues[qi];
+        match q.batches.back_mut() {
+            Some(b) if matches!(b.order, Order::Open) => b.blocks.push((ptr, size)),
+            _ => q.batches.push_back(Batch {
+                order: Order::Open,
+                blocks: std::vec![(ptr, size)],
+            }),
+        }
+        q.open += 1;
+        self.pending_blocks += 1;
+        self.pending_bytes += size;
     }
 
     /// How many open or unordered blocks stream `sid` has.
     fn open_blocks(&self, sid: u64) -> usize {
-        self.pending
-            .iter()
-            .filter(|p| p.stream_id == sid && !matches!(p.order, Order::Event(_)))
-            .count()
+        self.queue_of(sid).map_or(0, |qi| self.queues[qi].open)
     }
 
     /// Orders stream `sid`'s open (and unordered) blocks. If the stream is idle, all the work
     /// queued before their frees is done and every pending block of the stream goes back to the
     /// engine; otherwise one event is recorded for all of them. Returns whether it had any.
     fn close(&mut self, sid: u64) -> bool {
-        let Some(stream) = self
-            .pending
-            .iter()
-            .find(|p| p.stream_id == sid && !matches!(p.order, Order::Event(_)))
-            .map(|p| p.stream.clone())
-        else {
+        let Some(qi) = self.queue_of(sid) else {
             return false;
         };
+        if self.queues[qi].open == 0 {
+            return false;
+        }
+        let stream = self.queues[qi].stream.clone();
         match self.backend().stream_done(&stream) {
             Ok(true) => {
-                let mut i = 0;
-                while i < self.pending.len() {
-                    if self.pending[i].stream_id == sid {
-                        self.release_pending(i);
-                    } else {
-                        i += 1;
-                    }
+                let q = self.queues.swap_remove(qi);
+                for b in q.batches {
+                    self.release_batch(b);
                 }
                 return true;
             }
@@ -244,33 +276,46 @@ impl<B: DeviceBackend> State<B> {
             Err(e) => self.defer(PoolError::Backend(e)),
         }
         let order = match self.backend().record_event(&stream) {
-            Ok(e) => Some(Arc::new(e)),
+            Ok(e) => Order::Event(e),
             Err(e) => {
                 self.defer(PoolError::Backend(e));
-                None
+                Order::Unordered
             }
         };
-        for p in self.pending.iter_mut() {
-            // An event recorded now also covers the unordered blocks freed before it.
-            if p.stream_id == sid && !matches!(p.order, Order::Event(_)) {
-                p.order = match &order {
-                    Some(e) => Order::Event(e.clone()),
-                    None => Order::Unordered,
-                };
+        // An event recorded now also covers the unordered blocks freed before it: one batch.
+        let q = &mut self.queues[qi];
+        let mut blocks = Vec::with_capacity(q.open);
+        while q
+            .batches
+            .back()
+            .is_some_and(|b| !matches!(b.order, Order::Event(_)))
+        {
+            if let Some(b) = q.batches.pop_back() {
+                blocks.extend(b.blocks);
             }
         }
+        debug_assert_eq!(blocks.len(), q.open, "the open count is off");
+        if matches!(order, Order::Event(_)) {
+            q.open = 0;
+        }
+        q.batches.push_back(Batch { order, blocks });
         true
     }
 
-    /// Closes the open and unordered blocks of every stream with one that `pick` selects; returns
-    /// whether any stream had some.
-    fn close_where(&mut self, pick: impl Fn(&Pending<B::Stream, B::Event>) -> bool) -> bool {
-        let mut sids: Vec<u64> = Vec::new();
-        for p in self.pending.iter() {
-            if !matches!(p.order, Order::Event(_)) && pick(p) && !sids.contains(&p.stream_id) {
-                sids.push(p.stream_id);
-            }
-        }
+    /// Closes the open and unordered blocks of every stream with one that `pick(stream_id, size)`
+    /// selects; returns whether any stream had some.
+    fn close_where(&mut self, pick: impl Fn(u64, usize) -> bool) -> bool {
+        let sids: Vec<u64> = self
+            .queues
+            .iter()
+            .filter(|q| {
+                q.batches
+                    .iter()
+                    .filter(|b| !matches!(b.order, Order::Event(_)))
+                    .any(|b| b.blocks.iter().any(|&(_, size)| pick(q.stream_id, size)))
+            })
+            .map(|q| q.stream_id)
+            .collect();
         let mut closed = false;
         for sid in sids {
             closed |= self.close(sid);
@@ -280,96 +325,67 @@ impl<B: DeviceBackend> State<B> {
 
     /// Closes the open and unordered blocks of every stream.
     fn close_all(&mut self) {
-        self.close_where(|_| true);
+        self.close_where(|_, _| true);
     }
 
-    /// Returns every pending block whose stream has passed its event to the engine. Events of one
-    /// stream complete in order (and its open blocks follow its blocks with an event), so each
-    /// stream is queried until its first unfinished event.
+    /// Returns every pending batch whose event has completed to the engine. Events of one stream
+    /// complete in order, so each stream is queried until its first unfinished event.
     fn poll_pending(&mut self) {
-        if !self
-            .pending
-            .iter()
-            .any(|p| matches!(p.order, Order::Event(_)))
-        {
-            return;
-        }
-        let mut polled = core::mem::take(&mut self.polled);
-        polled.clear();
-        let mut i = 0;
-        while i < self.pending.len() {
-            let sid = self.pending[i].stream_id;
-            let seen = polled.iter().position(|&(s, _, _)| s == sid);
-            // Blocks after the stream's first unfinished event wait.
-            if seen.is_some_and(|k| !polled[k].1) {
-                i += 1;
-                continue;
-            }
-            let (done, addr) = match &self.pending[i].order {
-                Order::Event(ev) => {
-                    let addr = Arc::as_ptr(ev) as usize;
-                    if seen.is_some_and(|k| polled[k].2 == addr) {
-                        (true, addr) // shares an event already found done
-                    } else {
-                        let ev = ev.clone();
-                        match self.backend().event_done(&ev) {
-                            Ok(d) => (d, addr),
-                            Err(e) => {
-                                self.defer(PoolError::Backend(e));
-                                (false, addr)
-                            }
+        let mut emptied = false;
+        for qi in 0..self.queues.len() {
+            while let Some(b) = self.queues[qi].batches.pop_front() {
+                let done = match &b.order {
+                    Order::Event(ev) => match self.backend().event_done(ev) {
+                        Ok(d) => d,
+                        Err(e) => {
+                            self.defer(PoolError::Backend(e));
+                            false
                         }
-                    }
+                    },
+                    Order::Open | Order::Unordered => false,
+                };
+                if done {
+                    self.release_batch(b);
+                } else {
+                    self.queues[qi].batches.push_front(b);
+                    break;
                 }
-                Order::Open | Order::Unordered => (false, 0),
-            };
-            match seen {
-                Some(k) => polled[k] = (sid, done, addr),
-                None => polled.push((sid, done, addr)),
             }
-            if done {
-                self.release_pending(i);
-            } else {
-                i += 1;
-            }
+            emptied |= self.queues[qi].batches.is_empty();
         }
-        self.polled = polled;
+        if emptied {
+            self.drop_empty_queues();
+        }
     }
 
     /// Waits for every pending block's work and returns them all to the engine. A block whose work
     /// cannot be waited for (the driver fails both the event and a device-wide synchronisation) stays
     /// pending.
     fn flush_pending(&mut self) {
-        if self.pending.is_empty() {
+        if self.queues.is_empty() {
             return;
         }
         self.close_all();
         let mut device_synced = false;
-        if self
-            .pending
-            .iter()
-            .any(|p| matches!(p.order, Order::Unordered))
-        {
+        let unordered = self.queues.iter().any(|q| {
+            q.batches
+                .iter()
+                .any(|b| matches!(b.order, Order::Unordered))
+        });
+        if unordered {
             match self.backend().synchronize() {
                 Ok(()) => device_synced = true,
                 Err(e) => self.defer(PoolError::Backend(e)),
             }
         }
-        // Blocks closed together share an event: wait for it once.
-        let mut synced = 0usize;
-        let mut i = 0;
-        while i < self.pending.len() {
-            let ok = device_synced
-                || match &self.pending[i].order {
-                    Order::Open | Order::Unordered => false,
-                    Order::Event(ev) if Arc::as_ptr(ev) as usize == synced => true,
-                    Order::Event(ev) => {
-                        let ev = ev.clone();
-                        match self.backend().event_sync(&ev) {
-                            Ok(()) => {
-                                synced = Arc::as_ptr(&ev) as usize;
-                                true
-                            }
+        for qi in 0..self.queues.len() {
+            let batches = core::mem::take(&mut self.queues[qi].batches);
+            for b in batches {
+                let ok = device_synced
+                    || match &b.order {
+                        Order::Open | Order::Unordered => false,
+                        Order::Event(ev) => match self.backend().event_sync(ev) {
+                            Ok(()) => true,
                             Err(e) => {
                                 self.defer(PoolError::Backend(e));
                                 match self.backend().synchronize() {
@@ -383,15 +399,19 @@ impl<B: DeviceBackend> State<B> {
                                     }
                                 }
                             }
-                        }
+                        },
+                    };
+                if ok {
+                    if !matches!(b.order, Order::Event(_)) {
+                        self.queues[qi].open -= b.blocks.len();
                     }
-                };
-            if ok {
-                self.release_pending(i);
-            } else {
-                i += 1;
+                    self.release_batch(b);
+                } else {
+                    self.queues[qi].batches.push_back(b);
+                }
             }
         }
+        self.drop_empty_queues();
     }
 
     /// Takes a pending block of `stream` that fits `bytes` at `align` as a whole block would (the
@@ -399,24 +419,47 @@ impl<B: DeviceBackend> State<B> {
     fn take_pending(&mut self, stream: u64, bytes: usize, align: usize) -> Option<(usize, usize)> {
         let config = *self.bfc.config();
         let want = bytes.max(1).checked_next_multiple_of(GRANULE)?;
-        let mut best: Option<(usize, usize)> = None;
-        for (i, p) in self.pending.iter().enumerate() {
-            if p.stream_id != stream || p.size < want || p.ptr % align != 0 {
-                continue;
-            }
-            let left = p.size - want;
-            let would_split = left >= GRANULE
-                && ((config.split_ratio != 0 && p.size / config.split_ratio >= want)
-                    || left >= config.max_internal_fragmentation);
-            if would_split {
-                continue;
-            }
-            if best.is_none_or(|(_, s)| p.size < s) {
-                best = Some((i, p.size));
+        let qi = self.queue_of(stream)?;
+        let q = &mut self.queues[qi];
+        // (batch, index in it, size)
+        let mut best: Option<(usize, usize, usize)> = None;
+        'scan: for (bi, b) in q.batches.iter().enumerate() {
+            for (i, &(ptr, size)) in b.blocks.iter().enumerate() {
+                if size < want || ptr % align != 0 {
+                    continue;
+                }
+                let left = size - want;
+                let would_split = left >= GRANULE
+                    && ((config.split_ratio != 0 && size / config.split_ratio >= want)
+                        || left >= config.max_internal_fragmentation);
+                if would_split {
+                    continue;
+                }
+                if best.is_none_or(|(_, _, s)| size < s) {
+                    best = Some((bi, i, size));
+                    if size == want {
+                        break 'scan;
+                    }
+                }
             }
         }
-        let (i, _) = best?;
-        self.remove_pending(i)
+        let (bi, i, _) = best?;
+        let b = &mut q.batches[bi];
+        let (ptr, size) = b.blocks.swap_remove(i);
+        if !matches!(b.order, Order::Event(_)) {
+            q.open -= 1;
+        }
+        if b.blocks.is_empty() {
+            if let Some(b) = q.batches.remove(bi) {
+                self.recycle(b.order);
+            }
+            if self.queues[qi].batches.is_empty() {
+                self.queues.swap_remove(qi);
+            }
+        }
+        self.pending_blocks -= 1;
+        self.pending_bytes -= size;
+        Some((ptr, size))
     }
 
     #[allow(
@@ -479,7 +522,7 @@ impl<B: DeviceBackend> Shared<B> {
         // open blocks that could serve it, rather than grow.
         let mut closed = st.close(sid);
         if st.bfc.largest_free_block() < bytes {
-            closed |= st.close_where(|p| p.stream_id != sid && p.size >= bytes);
+            closed |= st.close_where(|other, size| other != sid && size >= bytes);
         }
         if closed {
             st.poll_pending();
@@ -532,14 +575,7 @@ impl<B: DeviceBackend> Shared<B> {
         }
         // No event yet: the stream itself may reuse the block at once, and an event is recorded
         // for a batch of open blocks only when another stream may want them (see `Order::Open`).
-        st.pending.push_back(Pending {
-            ptr: ptr as usize,
-            size,
-            stream_id: sid,
-            stream: stream.clone(),
-            order: Order::Open,
-        });
-        st.pending_bytes += size;
+        st.push_open(stream, ptr as usize, size);
         if st.open_blocks(sid) > OPEN_LIMIT {
             st.close(sid);
         }
@@ -610,10 +646,10 @@ impl<B: DeviceBackend> DevicePool<B> {
                 limit,
                 state: Mutex::new(State {
                     bfc,
-                    pending: VecDeque::new(),
+                    queues: Vec::new(),
+                    pending_blocks: 0,
                     pending_bytes: 0,
                     stranded_bytes: 0,
-                    polled: Vec::new(),
                     errors: Vec::new(),
                 }),
             }),
@@ -700,7 +736,7 @@ impl<B: DeviceBackend> DevicePool<B> {
         DeviceStats {
             ordinal: self.shared.ordinal,
             allocator,
-            pending_blocks: st.pending.len(),
+            pending_blocks: st.pending_blocks,
             pending_bytes: st.pending_bytes,
             stranded_bytes: st.stranded_bytes,
             device_free,
