@@ -265,4 +265,11 @@ mod tests {
         }
         assert_eq!(L.lock().with(|v| *v), 4 * rounds);
     }
+
+    #[test]
+    fn unlocking_clears_the_owner() {
+        let l = SpinLock::with_reentry_handler(0u32, reentered);
+        drop(l.lock());
+        assert_eq!(l.owner.load(Ordering::Relaxed), 0);
+    }
 }

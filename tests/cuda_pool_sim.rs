@@ -919,3 +919,97 @@ fn a_region_freed_while_out_of_memory_is_reused_not_returned() {
     assert_eq!(dev.requests(), vec![2 * MIB, 4 * MIB]);
     assert_eq!(dev.frees(), 0);
 }
+
+/// A region given back stops counting against the limit, so the pool can take it again.
+#[test]
+fn regions_given_back_free_their_share_of_the_limit() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(16 * MIB));
+    for round in 0..3 {
+        let a = alloc(&p, A, 12 * MIB).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        drop(a);
+        p.synchronize();
+        assert_eq!(dev.bytes_live(), 0);
+    }
+}
+
+/// The out-of-memory report names the limit when the pool's own limit (padding included), not the
+/// driver, refused a region.
+#[test]
+fn a_refusal_by_the_padding_limit_is_reported() {
+    let dev = SimDevice::new(GIB);
+    let other = pool(
+        &dev,
+        PoolOptions {
+            allow_growth: false,
+            ..PoolOptions::with_limit(MIB + 512)
+        },
+    );
+    let _o = alloc(&other, A, 100).unwrap();
+    let p = pool(&dev, PoolOptions::with_limit(4 * MIB));
+    // SAFETY: simulated memory is never read.
+    let a = unsafe { p.alloc::<Page>(&A, 256) }.unwrap();
+    // SAFETY: as above.
+    let err = unsafe { p.alloc::<Page>(&A, 511) }.unwrap_err();
+    let PoolError::OutOfMemory(oom) = &err else {
+        panic!("{err}")
+    };
+    assert!(
+        oom.driver_error
+            .as_deref()
+            .is_some_and(|e| e.contains("past its limit")),
+        "{err}"
+    );
+    drop(a);
+}
+
+/// A failed `cuMemFree` is not lost: it comes back through `take_errors`.
+#[test]
+fn a_failed_region_free_is_a_deferred_error() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let a = alloc(&p, A, 1000).unwrap();
+    let addr = a.device_address();
+    // SAFETY: simulated memory; the region is freed behind the pool's back to make its free fail.
+    p.with_backend_mut(|b| unsafe { bfc_alloc::cuda::DeviceBackend::mem_free(b, addr) })
+        .unwrap();
+    drop(a);
+    p.synchronize();
+    let errs = p.take_errors();
+    assert!(
+        errs.iter().any(|e| e.to_string().contains("cuMemFree")),
+        "{errs:?}"
+    );
+}
+
+#[test]
+fn buffer_accessors_report_elements_and_block() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    // SAFETY: never read.
+    let b = unsafe { p.alloc::<u64>(&A, 100) }.unwrap();
+    assert_eq!(b.len(), 100);
+    assert_eq!(b.num_bytes(), 800);
+    assert_eq!(b.block_size(), 1024);
+    let d = format!("{b:?}");
+    assert!(
+        d.contains("len: 100") && d.contains("block_size: 1024"),
+        "{d}"
+    );
+}
+
+/// `zero` writes the whole block (the bytes past the elements too), once, on the home stream.
+#[test]
+fn zero_clears_the_whole_block() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    // SAFETY: never read.
+    let mut b = unsafe { p.alloc::<u64>(&A, 100) }.unwrap();
+    b.zero().unwrap();
+    assert_eq!(dev.memsets(), vec![(b.device_address(), b.block_size())]);
+    assert_eq!(
+        dev.queued(A),
+        1,
+        "the memset is one item on the home stream"
+    );
+}

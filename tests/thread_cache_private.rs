@@ -248,3 +248,40 @@ fn stats_count_every_cached_block_and_a_release_drains_the_transfer_cache() {
     );
     LOCAL.check().unwrap();
 }
+
+/// A thread's cache that served an instance which was dropped, then serves another, is no longer
+/// orphaned: at the thread's exit it flushes into the second instance (nothing leaks) and leaves
+/// the registry.
+#[test]
+fn a_cache_rebound_after_its_instance_dropped_flushes_at_exit() {
+    let config = HostConfig {
+        arena_size: 256 << 20,
+        min_arena_size: 256 << 20,
+        ..HostConfig::DEFAULT
+    };
+    let l = Layout::from_size_align(48, 8).unwrap();
+    let use_small = move |a: &GlobalBfc| {
+        let mut blocks = [0usize; 10];
+        for b in blocks.iter_mut() {
+            // SAFETY: a valid layout.
+            *b = unsafe { black_box(a.alloc(l)) } as usize;
+        }
+        for &p in &blocks {
+            // SAFETY: allocated above with `l`, freed once.
+            unsafe { a.dealloc(p as *mut u8, l) };
+        }
+    };
+    let second: &'static GlobalBfc = Box::leak(Box::new(GlobalBfc::with_config(config)));
+    std::thread::spawn(move || {
+        let first = Box::new(GlobalBfc::with_config(config));
+        use_small(&first);
+        drop(first);
+        use_small(second);
+        assert!(second.thread_cache_bytes() > 0);
+    })
+    .join()
+    .unwrap();
+    let s = second.stats();
+    assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 0), "{s:?}");
+    second.check().unwrap();
+}

@@ -90,6 +90,8 @@ struct SimState {
     context_errors: Vec<u32>,
     /// Contexts whose synchronisation by the use protocol fails.
     fail_context_syncs: Vec<u32>,
+    /// Memsets queued: `(address, bytes)`.
+    memsets: Vec<(u64, usize)>,
 }
 
 /// Work on one simulated stream. Items are numbered from 1 in queue order and complete in order.
@@ -217,6 +219,7 @@ impl SimDevice {
                 unmanaged_sync: false,
                 context_errors: Vec::new(),
                 fail_context_syncs: Vec::new(),
+                memsets: Vec::new(),
             })),
         }
     }
@@ -402,6 +405,11 @@ impl SimDevice {
         self.lock().device_syncs
     }
 
+    /// The memsets queued so far, `(address, bytes)`, in order.
+    pub fn memsets(&self) -> Vec<(u64, usize)> {
+        self.lock().memsets.clone()
+    }
+
     /// Number of events the pool handed back for reuse so far.
     pub fn events_recycled(&self) -> usize {
         self.lock().events_recycled
@@ -547,11 +555,13 @@ impl DeviceBackend for SimBackend {
         &mut self,
         stream: &SimStream,
         uses: &SimUses,
-        _: u64,
-        _: usize,
+        ptr: u64,
+        bytes: usize,
     ) -> Result<(), BackendError> {
         uses.protocol.before_home_use(&self.device, stream)?;
-        self.device.lock().enqueue(stream.0);
+        let mut st = self.device.lock();
+        st.enqueue(stream.0);
+        st.memsets.push((ptr, bytes));
         Ok(())
     }
 

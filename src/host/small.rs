@@ -1249,4 +1249,69 @@ mod tests {
             }
         }
     }
+
+    /// A window released as a span and made a span again forgets which pages were purged, or
+    /// pages dirtied in between would never be given back again.
+    #[test]
+    fn a_span_made_again_has_no_stale_purged_pages() {
+        let c = class_for(4096, 8).unwrap();
+        let cap = capacity(c);
+        let mut h = heap(8);
+        let lo: Vec<usize> = (0..cap).map(|_| alloc(&mut h, c, 1)).collect();
+        let hi = alloc(&mut h, c, 2);
+        assert!(matches!(h.free(lo[0]), SmallFree::Freed(None)));
+        h.purge(base(3), |_, _| {});
+        match h.free(hi) {
+            SmallFree::Freed(Some(b)) => assert_eq!(b, base(2)),
+            _ => panic!("span 2 not released"),
+        }
+        let d = class_for(2048, 8).unwrap();
+        assert_eq!(alloc(&mut h, d, 2), base(2));
+        let mut runs = Vec::new();
+        h.purge(base(3), |a, l| runs.push((a, l)));
+        assert_eq!(runs, vec![(base(2) + 4096, 15 * 4096)]);
+    }
+
+    /// The page-range test reads the last bit of each bitmap word: a live object there keeps its
+    /// page.
+    #[test]
+    fn purge_keeps_a_page_whose_live_object_is_bit_63_of_a_word() {
+        let c = class_for(16, 8).unwrap();
+        let mut h = heap(4);
+        let objs: Vec<usize> = (0..capacity(c)).map(|_| alloc(&mut h, c, 1)).collect();
+        for (k, &p) in objs.iter().enumerate() {
+            if k != 63 {
+                h.free(p);
+            }
+        }
+        let mut runs = Vec::new();
+        h.purge(base(2), |a, l| runs.push((a, l)));
+        assert_eq!(runs, vec![(base(1) + 4096, 15 * 4096)]);
+    }
+
+    #[test]
+    fn check_catches_a_wrong_free_count_and_a_held_empty_span() {
+        let c = class_for(4096, 8).unwrap();
+        let cap = capacity(c);
+        let mut h = heap(8);
+        let lo: Vec<usize> = (0..cap).map(|_| alloc(&mut h, c, 3)).collect();
+        let _hi = alloc(&mut h, c, 5);
+        h.check(base(6)).unwrap();
+        h.spans[5].free -= 1;
+        assert_eq!(
+            h.check(base(6)),
+            Err("span free count disagrees with its bitmap")
+        );
+        h.spans[5].free += 1;
+        h.check(base(6)).unwrap();
+        assert!(matches!(h.free(lo[0]), SmallFree::Freed(None)));
+        h.spans[5].bits[0] &= !1;
+        h.spans[5].free += 1;
+        h.objects -= 1;
+        h.bytes -= 4096;
+        assert_eq!(
+            h.check(base(6)),
+            Err("an empty span other than the current one is held")
+        );
+    }
 }

@@ -480,4 +480,29 @@ mod tests {
         assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 575);
         assert_eq!((SLOTS * 8).div_ceil(1024), 14);
     }
+
+    #[test]
+    fn plausible_stops_at_the_arena_end() {
+        let classes: std::vec::Vec<AtomicU8> = (0..2).map(|_| AtomicU8::new(1)).collect();
+        let tc = ThreadCache::new();
+        tc.arena.set(1 << 40);
+        tc.arena_len.set(SPAN);
+        tc.classes.set(classes.as_ptr());
+        assert!(tc.plausible(0, (1 << 40) + 16));
+        assert!(!tc.plausible(0, (1 << 40) + SPAN));
+    }
+
+    #[test]
+    fn stacks_pop_in_fill_order_and_walks_see_every_slot() {
+        let tc = ThreadCache::new();
+        tc.fill_reversed(0, &[16, 32, 48]);
+        assert!(tc.contains(0, 16) && tc.contains(0, 32) && tc.contains(0, 48));
+        assert!(!tc.has_duplicate(0));
+        assert_eq!(
+            (tc.pop(0), tc.pop(0), tc.pop(0)),
+            (Some(16), Some(32), Some(48))
+        );
+        tc.fill_reversed(0, &[16, 16]);
+        assert!(tc.has_duplicate(0));
+    }
 }
