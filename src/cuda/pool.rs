@@ -295,10 +295,16 @@ impl<B: DeviceBackend> State<B> {
             }
         }
         debug_assert_eq!(blocks.len(), q.open, "the open count is off");
-        if matches!(order, Order::Event(_)) {
-            q.open = 0;
+        q.open = match order {
+            Order::Event(_) => 0,
+            _ => blocks.len(),
+        };
+        if blocks.is_empty() {
+            // Not reached while `open` is exact (no batch is left empty).
+            self.recycle(order);
+        } else {
+            q.batches.push_back(Batch { order, blocks });
         }
-        q.batches.push_back(Batch { order, blocks });
         true
     }
 
