@@ -1013,3 +1013,317 @@ fn zero_clears_the_whole_block() {
         "the memset is one item on the home stream"
     );
 }
+
+// ---- Edge cases of the pending queues (each kills a mutant the tests above let through) ----
+
+/// A 512-byte block is one granule over a 256-byte request, and the engine would split it (half of
+/// it still fits): same-stream reuse must not hand it out whole.
+#[test]
+fn same_stream_reuse_refuses_a_block_the_engine_would_split_by_one_granule() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let x = alloc(&p, A, 512).unwrap();
+    assert_eq!(x.block_size(), 512);
+    drop(x);
+    let y = alloc(&p, A, 256).unwrap();
+    assert_eq!(
+        y.block_size(),
+        256,
+        "a block the engine would split was reused whole"
+    );
+}
+
+/// Same-stream reuse that empties a batch with an event hands the event back at once.
+#[test]
+fn reusing_the_last_block_of_a_closed_batch_recycles_its_event() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let x = alloc(&p, A, MIB).unwrap();
+    let x_at = x.device_address();
+    dev.enqueue(A);
+    drop(x);
+    p.trim(); // A is busy: one event for the block
+    assert_eq!(dev.recorded(A), 1);
+    let y = alloc(&p, A, MIB).unwrap();
+    assert_eq!(y.device_address(), x_at);
+    assert_eq!(p.stats().pending_blocks, 0);
+    assert_eq!(
+        dev.events_recycled(),
+        1,
+        "the emptied batch's event was not recycled"
+    );
+}
+
+/// A miss on a stream whose pending blocks all have their event records no new event.
+#[test]
+fn a_miss_records_no_event_when_the_stream_has_no_open_block() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let x = alloc(&p, A, MIB).unwrap();
+    dev.enqueue(A);
+    drop(x);
+    p.trim();
+    assert_eq!(dev.recorded(A), 1);
+    let _y = alloc(&p, A, 4 * MIB).unwrap(); // misses: the 1 MiB block does not fit
+    assert_eq!(
+        dev.recorded(A),
+        1,
+        "an event was recorded with nothing open"
+    );
+    assert_eq!(p.stats().pending_blocks, 1);
+}
+
+/// Another stream's miss closes only the open blocks that could serve it: not a smaller open
+/// block, and not because of a large block that already has its event.
+#[test]
+fn another_streams_miss_closes_only_open_blocks_large_enough() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(
+        &dev,
+        PoolOptions {
+            initial_region_size: 16 * MIB,
+            ..PoolOptions::with_limit(64 * MIB)
+        },
+    );
+    let big = alloc(&p, A, 8 * MIB).unwrap();
+    let small = alloc(&p, A, MIB).unwrap();
+    assert_eq!(dev.requests(), vec![16 * MIB]);
+    dev.enqueue(A);
+    drop(big);
+    p.trim(); // A is busy: the 8 MiB block gets its event
+    assert_eq!(dev.recorded(A), 1);
+    drop(small); // open on A
+
+    // The engine has no 8 MiB chunk (7 MiB left): A's open block (1 MiB) cannot help, and the
+    // 8 MiB one is already ordered, so A gets no second event; the pool grows instead.
+    let b = alloc(&p, B, 8 * MIB).unwrap();
+    assert_eq!(
+        dev.recorded(A),
+        1,
+        "A was closed for a block that could not serve B"
+    );
+    assert_eq!(dev.requests().len(), 2);
+    drop(b);
+}
+
+/// When the engine's largest free chunk is exactly the request, other streams' open blocks stay.
+#[test]
+fn a_miss_the_engine_can_serve_exactly_leaves_other_streams_open() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(
+        &dev,
+        PoolOptions {
+            allow_growth: false,
+            ..PoolOptions::with_limit(16 * MIB)
+        },
+    );
+    let _x = alloc(&p, A, 8 * MIB).unwrap();
+    let y = alloc(&p, A, 4 * MIB).unwrap();
+    let y_at = y.device_address();
+    assert_eq!(p.stats().allocator.largest_free_block, 4 * MIB);
+    dev.enqueue(A);
+    drop(y); // open on A
+    let b = alloc(&p, B, 4 * MIB).unwrap();
+    assert_ne!(b.device_address(), y_at);
+    assert_eq!(
+        dev.recorded(A),
+        0,
+        "A was closed although the engine could serve B"
+    );
+}
+
+/// A free polls the pending events too: a batch whose event completed goes back on any free.
+#[test]
+fn a_free_returns_the_batches_whose_event_completed() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let x = alloc(&p, A, MIB).unwrap();
+    let y = alloc(&p, B, MIB).unwrap();
+    dev.enqueue(A);
+    drop(x);
+    p.trim();
+    dev.complete(A);
+    drop(y); // open on B; the free polls A's completed event
+    let s = p.stats();
+    assert_eq!((s.pending_blocks, s.pending_bytes), (1, MIB));
+}
+
+/// One poll returns every batch of a stream whose event completed, not just the oldest.
+#[test]
+fn one_poll_returns_every_completed_batch_of_a_stream() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let x = alloc(&p, A, MIB).unwrap();
+    let y = alloc(&p, A, MIB).unwrap();
+    dev.enqueue(A);
+    drop(x);
+    p.trim();
+    dev.enqueue(A);
+    drop(y);
+    p.trim();
+    assert_eq!((dev.recorded(A), p.stats().pending_blocks), (2, 2));
+    dev.complete(A);
+    p.trim();
+    assert_eq!(
+        p.stats().pending_blocks,
+        0,
+        "a completed batch stayed pending"
+    );
+}
+
+/// A miss tries to order its own stream's blocks once: after a failed record, the same miss does
+/// not record again for them as "another stream's" open blocks.
+#[test]
+fn a_miss_orders_its_own_streams_blocks_once() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(
+        &dev,
+        PoolOptions {
+            allow_growth: false,
+            ..PoolOptions::with_limit(16 * MIB)
+        },
+    );
+    let x = alloc(&p, A, 8 * MIB).unwrap();
+    let _z = alloc(&p, B, 6 * MIB).unwrap(); // takes the other 8 MiB chunk whole
+    assert_eq!(p.stats().allocator.largest_free_block, 0);
+    dev.enqueue(A);
+    drop(x);
+    dev.set_fail_event_record(true);
+    // The 8 MiB block would be split for 3 MiB: a miss. Closing A fails (1), and out of memory
+    // closes it again before waiting for the device (2).
+    let c = alloc(&p, A, 3 * MIB).unwrap();
+    dev.set_fail_event_record(false);
+    assert_eq!(dev.device_syncs(), 1);
+    let errs = p.take_errors();
+    assert_eq!(errs.len(), 2, "{errs:?}");
+    drop(c);
+}
+
+/// A stream handle whose clones can be counted, over the simulated back end.
+#[derive(Clone, Debug)]
+struct Counted(SimStream, Arc<()>);
+
+struct CountingBackend(SimBackend);
+
+impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
+    type Stream = Counted;
+    type Event = bfc_alloc::cuda::SimEvent;
+    type Uses = bfc_alloc::cuda::SimUses;
+    fn ordinal(&self) -> usize {
+        self.0.ordinal()
+    }
+    fn compute_capability_major(&self) -> Result<i32, bfc_alloc::cuda::BackendError> {
+        self.0.compute_capability_major()
+    }
+    fn mem_info(&mut self) -> Result<(usize, usize), bfc_alloc::cuda::BackendError> {
+        self.0.mem_info()
+    }
+    fn mem_alloc(&mut self, bytes: usize) -> Result<u64, bfc_alloc::cuda::BackendError> {
+        self.0.mem_alloc(bytes)
+    }
+    unsafe fn mem_free(&mut self, ptr: u64) -> Result<(), bfc_alloc::cuda::BackendError> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.0.mem_free(ptr) }
+    }
+    fn check_stream(&self, s: &Counted) -> Result<(), bfc_alloc::cuda::BackendError> {
+        self.0.check_stream(&s.0)
+    }
+    fn stream_id(s: &Counted) -> u64 {
+        SimBackend::stream_id(&s.0)
+    }
+    fn stream_done(&mut self, s: &Counted) -> Result<bool, bfc_alloc::cuda::BackendError> {
+        self.0.stream_done(&s.0)
+    }
+    fn record_event(
+        &mut self,
+        s: &Counted,
+    ) -> Result<bfc_alloc::cuda::SimEvent, bfc_alloc::cuda::BackendError> {
+        self.0.record_event(&s.0)
+    }
+    fn event_done(
+        &mut self,
+        e: &bfc_alloc::cuda::SimEvent,
+    ) -> Result<bool, bfc_alloc::cuda::BackendError> {
+        self.0.event_done(e)
+    }
+    fn event_sync(
+        &mut self,
+        e: &bfc_alloc::cuda::SimEvent,
+    ) -> Result<(), bfc_alloc::cuda::BackendError> {
+        self.0.event_sync(e)
+    }
+    fn recycle_event(&mut self, e: bfc_alloc::cuda::SimEvent) {
+        self.0.recycle_event(e)
+    }
+    fn synchronize(&mut self) -> Result<(), bfc_alloc::cuda::BackendError> {
+        self.0.synchronize()
+    }
+    unsafe fn memset_zero(
+        &mut self,
+        s: &Counted,
+        uses: &bfc_alloc::cuda::SimUses,
+        ptr: u64,
+        bytes: usize,
+    ) -> Result<(), bfc_alloc::cuda::BackendError> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.0.memset_zero(&s.0, uses, ptr, bytes) }
+    }
+    fn finish_uses(
+        &mut self,
+        s: &Counted,
+        uses: &bfc_alloc::cuda::SimUses,
+    ) -> Result<(), bfc_alloc::cuda::UsesError> {
+        self.0.finish_uses(&s.0, uses)
+    }
+}
+
+/// The pool keeps a stream's handle only while it has pending blocks of that stream: a queue left
+/// empty (by same-stream reuse, or by a poll) lets the handle go.
+#[test]
+fn pending_queues_let_their_stream_handle_go_once_empty() {
+    let dev = SimDevice::new(GIB);
+    let p = DevicePool::with_backend(
+        CountingBackend(dev.backend()),
+        PoolOptions::with_limit(64 * MIB),
+    )
+    .unwrap();
+    let a = Counted(A, Arc::new(()));
+    let handles = || Arc::strong_count(&a.1) - 1;
+    // SAFETY: simulated memory is never read.
+    let x = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
+    assert_eq!(handles(), 1, "the buffer's");
+    drop(x);
+    assert_eq!(handles(), 1, "the pending queue's");
+    // Same-stream reuse empties the queue.
+    // SAFETY: as above.
+    let y = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
+    assert_eq!(
+        handles(),
+        1,
+        "an empty queue kept its stream handle after a reuse"
+    );
+    // A poll empties it.
+    dev.enqueue(A);
+    drop(y);
+    p.trim(); // an event: A is busy
+    assert_eq!(handles(), 1);
+    dev.complete(A);
+    p.trim();
+    assert_eq!(p.stats().pending_blocks, 0);
+    assert_eq!(
+        handles(),
+        0,
+        "an empty queue kept its stream handle after a poll"
+    );
+    // Reuse, then synchronise while the buffer lives: nothing pending, no handle kept.
+    // SAFETY: as above.
+    let z = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
+    drop(z);
+    // SAFETY: as above.
+    let w = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
+    p.synchronize();
+    assert_eq!(handles(), 1, "the pool kept a handle with nothing pending");
+    drop(w);
+    p.synchronize();
+    assert_eq!(handles(), 0);
+}

@@ -403,3 +403,194 @@ fn random_uses_never_overlap_the_next_owner() {
         pool.check().unwrap();
     }
 }
+
+// ---- The protocol's edge cases, and the simulator kept no stronger than CUDA (each kills a mutant) ----
+
+/// `zero` queues nothing when the wait for the home context, which an unordered use needs, fails.
+#[test]
+fn a_failed_context_wait_before_zeroing_queues_nothing() {
+    let (dev, pool) = setup();
+    let mut buf = alloc(&pool, A, MIB);
+    dev.set_fail_use_ordering(true);
+    buf.simulate_use(B); // not ordered by events
+    dev.set_fail_use_ordering(false);
+    dev.set_fail_context_sync(0, true);
+    assert!(buf.zero().is_err(), "the failed wait was not reported");
+    assert!(
+        dev.memsets().is_empty(),
+        "a memset was queued without its wait"
+    );
+    dev.set_fail_context_sync(0, false);
+}
+
+/// Another context is waited for at the free only if it holds an error (the guard waited for the
+/// use itself): later, unrelated work there is not waited for.
+#[test]
+fn another_context_without_an_error_is_not_waited_for_at_the_free() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    let used = buf.simulate_use(X);
+    assert!(dev.completed(X) >= used, "the guard waits for the use");
+    let later = dev.enqueue(X);
+    drop(buf);
+    assert!(
+        dev.completed(X) < later,
+        "the free waited for unrelated work"
+    );
+}
+
+/// A home-stream use whose wait for the last use on another stream failed is reported, and the
+/// free waits for the device.
+#[test]
+fn a_failed_wait_before_a_home_stream_use_makes_the_free_wait_for_the_device() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    buf.simulate_use(B);
+    dev.set_fail_use_ordering(true);
+    buf.simulate_use(A);
+    dev.set_fail_use_ordering(false);
+    let syncs = dev.device_syncs();
+    drop(buf);
+    assert_eq!(dev.device_syncs(), syncs + 1);
+    assert!(
+        !pool.take_errors().is_empty(),
+        "the failure was not reported"
+    );
+}
+
+/// A skipped end of use (its context holds an error) queues no event record.
+#[test]
+fn a_skipped_end_of_use_records_nothing() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    dev.set_context_error(0, true);
+    let used = buf.simulate_use(B);
+    assert_eq!(
+        (dev.queued(B), dev.recorded(B)),
+        (used, 0),
+        "the skipped record was queued"
+    );
+    dev.set_context_error(0, false);
+    dev.complete_all();
+    drop(buf);
+}
+
+/// `ordered_before` follows a wait only from the items queued after it, and only to the items
+/// before the event it waits for.
+#[test]
+fn ordered_before_follows_only_the_waits_before_an_item() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    let w1 = dev.enqueue(A);
+    let b1 = dev.enqueue(B);
+    let used = buf.simulate_use(B); // B waits, after b1, for an event recorded after w1
+    let w2 = dev.enqueue(A);
+    assert!(dev.ordered_before((A, w1), (B, used)));
+    assert!(dev.ordered_before((A, w1), (A, w2)));
+    assert!(
+        !dev.ordered_before((A, w1), (B, b1)),
+        "b1 was queued before the wait"
+    );
+    assert!(
+        !dev.ordered_before((A, w2), (B, used)),
+        "w2 was queued after the event"
+    );
+    assert!(!dev.ordered_before((A, w2), (A, w1)));
+}
+
+/// Completing a stream up to an item it has passed undoes nothing.
+#[test]
+fn complete_to_never_undoes_completed_work() {
+    let (dev, _pool) = setup();
+    for _ in 0..3 {
+        dev.enqueue(A);
+    }
+    dev.complete(A);
+    dev.complete_to(A, 1);
+    assert_eq!(dev.completed(A), 3);
+}
+
+/// A device-wide synchronisation (`cuCtxSynchronize`) covers the pool's context only.
+#[test]
+fn a_device_synchronisation_does_not_reach_other_contexts() {
+    let (dev, pool) = setup();
+    let elsewhere = dev.enqueue(X);
+    let buf = alloc(&pool, A, MIB);
+    dev.set_fail_finish_uses(true);
+    drop(buf); // the pool waits for the device
+    dev.set_fail_finish_uses(false);
+    assert_eq!(dev.device_syncs(), 1);
+    assert!(
+        dev.completed(X) < elsewhere,
+        "the device sync reached another context"
+    );
+}
+
+/// Waiting for another context leaves the home context's streams alone.
+#[test]
+fn waiting_for_another_context_does_not_complete_the_home_context() {
+    let (dev, pool) = setup();
+    let unrelated = dev.enqueue(B);
+    let buf = alloc(&pool, A, MIB);
+    dev.set_context_error(X.context(), true);
+    let used = buf.simulate_use(X); // the guard's wait is skipped
+    drop(buf); // waits for X's context
+    assert!(dev.completed(X) >= used);
+    assert!(
+        dev.completed(B) < unrelated,
+        "waiting for X's context completed B"
+    );
+    dev.set_context_error(X.context(), false);
+}
+
+/// Waiting for an event completes what its stream waited for first, as the device would.
+#[test]
+fn waiting_for_an_event_completes_what_it_waits_for() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    let used = buf.simulate_use(B);
+    drop(buf); // A waits for the use on B; the block is open on A
+    pool.synchronize(); // an event on busy A, waited for
+    assert_eq!(dev.completed(A), dev.queued(A));
+    assert!(
+        dev.completed(B) >= used,
+        "A completed before the use it waits for"
+    );
+}
+
+/// After uses waited for on the host only (no end-of-use event was ever recorded), work on the
+/// home stream makes no event wait: a failing wait cannot fail it.
+#[test]
+fn zeroing_after_host_waited_uses_makes_no_event_wait() {
+    let (dev, pool) = setup();
+    dev.set_unmanaged_sync(true);
+    let mut buf = alloc(&pool, A, MIB);
+    buf.simulate_use(B); // waited for by its guard
+    dev.set_fail_use_ordering(true);
+    assert!(
+        buf.zero().is_ok(),
+        "zeroing waited for an event never recorded"
+    );
+    dev.set_fail_use_ordering(false);
+    assert_eq!(dev.memsets().len(), 1);
+}
+
+/// Waiting for an event completes its stream up to the event only, and forces only the waits
+/// queued before it: a wait queued right after the event does not run another stream.
+#[test]
+fn waiting_for_an_event_forces_only_the_waits_before_it() {
+    let (dev, pool) = setup();
+    let x = alloc(&pool, B, MIB);
+    dev.enqueue(B);
+    drop(x);
+    pool.trim(); // B is busy: an event, the last item on B
+    let event = dev.queued(B);
+    let buf = alloc(&pool, A, MIB);
+    let w1 = dev.enqueue(A);
+    let used = buf.simulate_use(B); // B waits, right after the event, for A's work
+    pool.synchronize(); // waits for B's event
+    assert_eq!(dev.completed(B), event);
+    assert!(dev.completed(A) < w1, "the wait after the event was forced");
+    assert!(dev.completed(B) < used);
+    drop(buf);
+}
