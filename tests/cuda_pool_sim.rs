@@ -1327,3 +1327,77 @@ fn pending_queues_let_their_stream_handle_go_once_empty() {
     p.synchronize();
     assert_eq!(handles(), 0);
 }
+
+/// A failed event query keeps the batch pending (another stream does not get it) and is
+/// reported; the next query that works returns it.
+#[test]
+fn a_failed_event_query_keeps_the_block_pending() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let a = alloc(&p, A, MIB).unwrap();
+    let addr = a.device_address();
+    dev.enqueue(A);
+    drop(a);
+    p.trim(); // A is busy: one event for the block
+    dev.complete(A);
+    dev.set_fail_event_queries(true);
+    let b = alloc(&p, B, MIB).unwrap();
+    assert_ne!(
+        b.device_address(),
+        addr,
+        "a block whose event was not seen done was reused"
+    );
+    assert_eq!(p.stats().pending_blocks, 1);
+    assert!(p
+        .take_errors()
+        .iter()
+        .any(|e| e.to_string().contains("cuEventQuery")));
+    dev.set_fail_event_queries(false);
+    p.trim();
+    assert_eq!(p.stats().pending_blocks, 0);
+    drop(b);
+    p.check().unwrap();
+}
+
+/// When waiting for an event fails, the pool waits for the whole device instead; when that fails
+/// too, the block stays pending (never handed out unordered) until a later wait works.
+#[test]
+fn a_failed_event_wait_falls_back_to_the_device_then_keeps_the_block() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let a = alloc(&p, A, MIB).unwrap();
+    dev.enqueue(A);
+    drop(a);
+    p.trim(); // A is busy: one event for the block
+    dev.set_fail_event_queries(true);
+    let syncs = dev.device_syncs();
+    p.synchronize();
+    assert_eq!(dev.device_syncs(), syncs + 1, "no device-wide wait instead");
+    assert_eq!(p.stats().pending_blocks, 0);
+    assert!(p
+        .take_errors()
+        .iter()
+        .any(|e| e.to_string().contains("cuEventSynchronize")));
+
+    let b = alloc(&p, A, MIB).unwrap();
+    let addr = b.device_address();
+    dev.enqueue(A);
+    drop(b);
+    p.trim();
+    dev.set_fail_synchronize(true);
+    p.synchronize();
+    assert_eq!(p.stats().pending_blocks, 1, "released without any wait");
+    let c = alloc(&p, B, MIB).unwrap();
+    assert_ne!(c.device_address(), addr);
+    dev.set_fail_synchronize(false);
+    dev.set_fail_event_queries(false);
+    p.synchronize();
+    assert_eq!(p.stats().pending_blocks, 0);
+    assert_eq!(
+        dev.completed(A),
+        dev.queued(A),
+        "the wait did not complete A"
+    );
+    drop(c);
+    p.check().unwrap();
+}

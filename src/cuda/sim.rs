@@ -92,6 +92,8 @@ struct SimState {
     fail_context_syncs: Vec<u32>,
     /// Memsets queued: `(address, bytes)`.
     memsets: Vec<(u64, usize)>,
+    /// Makes the pool's event queries and waits fail.
+    fail_event_queries: bool,
 }
 
 /// Work on one simulated stream. Items are numbered from 1 in queue order and complete in order.
@@ -220,6 +222,7 @@ impl SimDevice {
                 context_errors: Vec::new(),
                 fail_context_syncs: Vec::new(),
                 memsets: Vec::new(),
+                fail_event_queries: false,
             })),
         }
     }
@@ -265,6 +268,11 @@ impl SimDevice {
     /// `cuStreamWaitEvent` in [`DeviceBuffer::simulate_use`] and [`DeviceBuffer::zero`]).
     pub fn set_fail_use_ordering(&self, fail: bool) {
         self.lock().fail_use_ordering = fail;
+    }
+
+    /// Makes the pool's event queries (`cuEventQuery`) and waits (`cuEventSynchronize`) fail.
+    pub fn set_fail_event_queries(&self, fail: bool) {
+        self.lock().fail_event_queries = fail;
     }
 
     /// Makes the end of a use on another stream be waited for on the host instead of marked by
@@ -518,11 +526,17 @@ impl DeviceBackend for SimBackend {
 
     fn event_done(&mut self, event: &SimEvent) -> Result<bool, BackendError> {
         let mut st = self.device.lock();
+        if st.fail_event_queries {
+            return Err(failed("cuEventQuery"));
+        }
         Ok(st.stream(event.stream).done >= event.seq)
     }
 
     fn event_sync(&mut self, event: &SimEvent) -> Result<(), BackendError> {
         let mut st = self.device.lock();
+        if st.fail_event_queries {
+            return Err(failed("cuEventSynchronize"));
+        }
         st.event_syncs += 1;
         st.force(event.stream, event.seq);
         Ok(())
