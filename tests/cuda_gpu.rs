@@ -386,3 +386,38 @@ fn a_second_use_on_another_stream_waits_for_the_first() {
     pool.check_err().unwrap();
     ctx.check_err().unwrap();
 }
+
+#[test]
+fn zeroing_waits_for_a_read_on_another_stream() {
+    let Some(pool) = pool(PoolOptions::with_limit(256 * MIB)) else {
+        return;
+    };
+    let ctx = pool.context();
+    let Some(f) = spin_fill_kernel(&ctx) else {
+        return;
+    };
+    let (home, s1) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    let n = MIB;
+    let mut buf = pool.clone_htod(&home, &vec![0x1234_5678u32; n]).unwrap();
+    // SAFETY: written by the kernel before any read.
+    let slow: DeviceBuffer<u32> = unsafe { pool.alloc(&s1, n) }.unwrap();
+    // SAFETY: written by the copy before any read.
+    let mut copy: DeviceBuffer<u32> = unsafe { pool.alloc(&s1, n) }.unwrap();
+    // Stream 1 is busy for about half a second, then reads `buf` (a use on another stream than
+    // buf's home); zeroing `buf` on its idle home stream must wait for that read.
+    launch_spin_fill(&s1, &f, &slow, 0xdead_beef, 1_000_000_000);
+    s1.memcpy_dtod(&buf, &mut copy).unwrap();
+    buf.zero().unwrap();
+    let read = s1.clone_dtoh(&copy).unwrap();
+    assert!(
+        read.iter().all(|&v| v == 0x1234_5678),
+        "the memset ran before the read on stream 1"
+    );
+    let zeroed = home.clone_dtoh(&buf).unwrap();
+    assert!(zeroed.iter().all(|&v| v == 0), "the buffer was not zeroed");
+    drop((buf, slow, copy));
+    ctx.synchronize().unwrap();
+    pool.synchronize();
+    pool.check_err().unwrap();
+    ctx.check_err().unwrap();
+}
