@@ -5,9 +5,10 @@
 //! Run: `cargo bench --features cuda --bench pool_pending`. For each pending count `n`, stream A
 //! allocates `n` 256-byte buffers, queues work, and frees them all (the GPU is "behind", so all
 //! stay pending); then stream B allocates 2,000 buffers of 512 B (which pending blocks of A cannot
-//! serve) and A allocates 2,000 of 256 B again (served from its own pending blocks). The last
-//! column is the worst of the three against the `n` = 100 row: flat means the cost does not grow
-//! with the pending count.
+//! serve) and A allocates 2,000 of 256 B again (served from its own pending blocks). A second
+//! pool frees `n` blocks of distinct sizes on a busy stream and then misses 2,000 times on that
+//! stream (sizes none of them fits). The last column is the worst against the `n` = 100 row: flat
+//! means the cost does not grow with the pending count.
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -22,8 +23,9 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// ns per free, per allocation on another stream, per allocation on the same stream.
-fn run(n: usize) -> [f64; 3] {
+/// ns per free, per allocation on another stream, per allocation on the same stream, per miss on
+/// a stream with `n` pending blocks of distinct sizes.
+fn run(n: usize) -> [f64; 4] {
     let dev = SimDevice::new(64 << 30);
     let pool = DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(32 << 30))
         .expect("simulated pool");
@@ -45,7 +47,21 @@ fn run(n: usize) -> [f64; 3] {
     let same: Vec<_> = (0..m).map(|_| alloc(a, 256)).collect();
     let on_same = t.elapsed().as_nanos() as f64 / m as f64;
     drop(black_box((other, same)));
-    [free, on_other, on_same]
+
+    let pool = DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(32 << 30))
+        .expect("simulated pool");
+    let alloc = |s: SimStream, bytes: usize| {
+        // SAFETY: simulated memory is never read.
+        unsafe { pool.alloc::<u8>(&s, bytes) }.expect("alloc")
+    };
+    let bufs: Vec<_> = (0..n).map(|i| alloc(a, 256 * (1 + i % 4000))).collect();
+    dev.enqueue(a);
+    drop(black_box(bufs));
+    let t = Instant::now();
+    let missed: Vec<_> = (0..m).map(|i| alloc(a, (2 << 20) | (i * 256))).collect();
+    let misses = t.elapsed().as_nanos() as f64 / m as f64;
+    drop(black_box(missed));
+    [free, on_other, on_same, misses]
 }
 
 fn main() {
@@ -55,11 +71,11 @@ fn main() {
     } else {
         1
     };
-    println!("| pending frees | ns per free | ns per alloc, other stream | ns per alloc, same stream | worst / n=100 |");
-    println!("|---:|---:|---:|---:|---:|");
+    println!("| pending frees | ns per free | ns per alloc, other stream | ns per alloc, same stream | ns per miss, distinct sizes pending | worst / n=100 |");
+    println!("|---:|---:|---:|---:|---:|---:|");
     let mut base = None;
     for n in [100, 1_000, 10_000, 30_000] {
-        let mut cols: [Vec<f64>; 3] = Default::default();
+        let mut cols: [Vec<f64>; 4] = Default::default();
         for _ in 0..runs {
             for (c, v) in cols.iter_mut().zip(run(n)) {
                 c.push(v);
@@ -73,8 +89,8 @@ fn main() {
             .map(|(r, b)| r / b)
             .fold(0.0f64, f64::max);
         println!(
-            "| {n} | {:.0} | {:.0} | {:.0} | {worst:.2}x |",
-            row[0], row[1], row[2]
+            "| {n} | {:.0} | {:.0} | {:.0} | {:.0} | {worst:.2}x |",
+            row[0], row[1], row[2], row[3]
         );
     }
 }

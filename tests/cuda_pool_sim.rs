@@ -1401,3 +1401,20 @@ fn a_failed_event_wait_falls_back_to_the_device_then_keeps_the_block() {
     drop(c);
     p.check().unwrap();
 }
+
+/// Same-stream reuse looks at the newest pending blocks first: a block freed last is found
+/// behind thousands of older pending frees (the search is bounded, see the `pool_pending` bench).
+#[test]
+fn same_stream_reuse_finds_the_newest_free_behind_thousands_of_older_ones() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    let old: Vec<_> = (0..5000).map(|_| alloc(&p, A, 256).unwrap()).collect();
+    let x = alloc(&p, A, MIB).unwrap();
+    let x_at = x.device_address();
+    dev.enqueue(A); // A is busy: the frees stay pending
+    drop(old);
+    drop(x);
+    assert_eq!(p.stats().pending_blocks, 5001);
+    let y = alloc(&p, A, MIB).unwrap();
+    assert_eq!(y.device_address(), x_at, "the newest free was not reused");
+}

@@ -22,6 +22,9 @@ const MAX_DEFERRED: usize = 64;
 /// Events kept for reuse by a back end at most.
 pub(crate) const EVENT_CACHE: usize = 256;
 
+/// Pending blocks of its own stream an allocation looks through at most, newest first.
+const TAKE_SCAN: usize = 256;
+
 /// How much device memory a pool may take.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum MemoryLimit {
@@ -421,7 +424,9 @@ impl<B: DeviceBackend> State<B> {
     }
 
     /// Takes a pending block of `stream` that fits `bytes` at `align` as a whole block would (the
-    /// engine would not split it), smallest first.
+    /// engine would not split it): the smallest among the stream's [`TAKE_SCAN`] most recently
+    /// freed pending blocks (an exact fit ends the search), so a stream with thousands of pending
+    /// frees pays a bounded scan.
     fn take_pending(&mut self, stream: u64, bytes: usize, align: usize) -> Option<(usize, usize)> {
         let config = *self.bfc.config();
         let want = bytes.max(1).checked_next_multiple_of(GRANULE)?;
@@ -429,8 +434,13 @@ impl<B: DeviceBackend> State<B> {
         let q = &mut self.queues[qi];
         // (batch, index in it, size)
         let mut best: Option<(usize, usize, usize)> = None;
-        'scan: for (bi, b) in q.batches.iter().enumerate() {
-            for (i, &(ptr, size)) in b.blocks.iter().enumerate() {
+        let mut scanned = 0;
+        'scan: for (bi, b) in q.batches.iter().enumerate().rev() {
+            for (i, &(ptr, size)) in b.blocks.iter().enumerate().rev() {
+                if scanned == TAKE_SCAN {
+                    break 'scan;
+                }
+                scanned += 1;
                 if size < want || ptr % align != 0 {
                     continue;
                 }
