@@ -148,18 +148,26 @@ struct Queue<S, E> {
     /// id of a stream the pool's handles own cannot be reused by a new stream meanwhile.
     stream: S,
     batches: VecDeque<Batch<E>>,
-    /// Blocks in the batches without an event.
-    open: usize,
+}
+
+impl<S, E> Queue<S, E> {
+    /// Blocks in the batches without an event (a suffix: usually one batch).
+    fn open(&self) -> usize {
+        self.batches
+            .iter()
+            .rev()
+            .take_while(|b| !matches!(b.order, Order::Event(_)))
+            .map(|b| b.blocks.len())
+            .sum()
+    }
 }
 
 /// Everything behind the pool's lock.
 pub(crate) struct State<B: DeviceBackend> {
     bfc: Bfc<DeviceSource<B>, Vec<Chunk>>,
     /// Freed blocks waiting for their stream, one queue per stream with any. Invariants: each block
-    /// is in use in `bfc`, `pending_blocks` and `pending_bytes` count them, and no queue is empty.
+    /// is in use in `bfc`, and no queue is empty.
     queues: Vec<Queue<B::Stream, B::Event>>,
-    pending_blocks: usize,
-    pending_bytes: usize,
     /// Blocks freed while the driver could neither order nor wait for their uses: kept in use in
     /// the engine forever.
     stranded_bytes: usize,
@@ -202,9 +210,7 @@ impl<B: DeviceBackend> State<B> {
 
     /// Returns a batch's blocks to the engine and recycles its event.
     fn release_batch(&mut self, batch: Batch<B::Event>) {
-        for &(ptr, size) in &batch.blocks {
-            self.pending_blocks -= 1;
-            self.pending_bytes -= size;
+        for &(ptr, _) in &batch.blocks {
             if let Err(e) = self.bfc.deallocate(ptr) {
                 self.defer(PoolError::Free(e));
             }
@@ -233,7 +239,6 @@ impl<B: DeviceBackend> State<B> {
                     stream_id: sid,
                     stream: stream.clone(),
                     batches: VecDeque::new(),
-                    open: 0,
                 });
                 self.queues.len() - 1
             }
@@ -246,14 +251,21 @@ impl<B: DeviceBackend> State<B> {
                 blocks: std::vec![(ptr, size)],
             }),
         }
-        q.open += 1;
-        self.pending_blocks += 1;
-        self.pending_bytes += size;
+    }
+
+    /// Pending blocks and their bytes (for statistics and reports).
+    fn pending(&self) -> (usize, usize) {
+        let blocks = self
+            .queues
+            .iter()
+            .flat_map(|q| &q.batches)
+            .flat_map(|b| &b.blocks);
+        blocks.fold((0, 0), |(n, bytes), &(_, size)| (n + 1, bytes + size))
     }
 
     /// How many open or unordered blocks stream `sid` has.
     fn open_blocks(&self, sid: u64) -> usize {
-        self.queue_of(sid).map_or(0, |qi| self.queues[qi].open)
+        self.queue_of(sid).map_or(0, |qi| self.queues[qi].open())
     }
 
     /// Orders stream `sid`'s open (and unordered) blocks. If the stream is idle, all the work
@@ -263,7 +275,7 @@ impl<B: DeviceBackend> State<B> {
         let Some(qi) = self.queue_of(sid) else {
             return false;
         };
-        if self.queues[qi].open == 0 {
+        if self.queues[qi].open() == 0 {
             return false;
         }
         let stream = self.queues[qi].stream.clone();
@@ -287,7 +299,7 @@ impl<B: DeviceBackend> State<B> {
         };
         // An event recorded now also covers the unordered blocks freed before it: one batch.
         let q = &mut self.queues[qi];
-        let mut blocks = Vec::with_capacity(q.open);
+        let mut blocks = Vec::with_capacity(q.open());
         while q
             .batches
             .back()
@@ -297,17 +309,7 @@ impl<B: DeviceBackend> State<B> {
                 blocks.extend(b.blocks);
             }
         }
-        debug_assert_eq!(blocks.len(), q.open, "the open count is off");
-        q.open = match order {
-            Order::Event(_) => 0,
-            _ => blocks.len(),
-        };
-        if blocks.is_empty() {
-            // Not reached while `open` is exact (no batch is left empty).
-            self.recycle(order);
-        } else {
-            q.batches.push_back(Batch { order, blocks });
-        }
+        q.batches.push_back(Batch { order, blocks });
         true
     }
 
@@ -411,9 +413,6 @@ impl<B: DeviceBackend> State<B> {
                         },
                     };
                 if ok {
-                    if !matches!(b.order, Order::Event(_)) {
-                        self.queues[qi].open -= b.blocks.len();
-                    }
                     self.release_batch(b);
                 } else {
                     self.queues[qi].batches.push_back(b);
@@ -462,9 +461,6 @@ impl<B: DeviceBackend> State<B> {
         let (bi, i, _) = best?;
         let b = &mut q.batches[bi];
         let (ptr, size) = b.blocks.swap_remove(i);
-        if !matches!(b.order, Order::Event(_)) {
-            q.open -= 1;
-        }
         if b.blocks.is_empty() {
             if let Some(b) = q.batches.remove(bi) {
                 self.recycle(b.order);
@@ -473,8 +469,6 @@ impl<B: DeviceBackend> State<B> {
                 self.queues.swap_remove(qi);
             }
         }
-        self.pending_blocks -= 1;
-        self.pending_bytes -= size;
         Some((ptr, size))
     }
 
@@ -499,7 +493,7 @@ impl<B: DeviceBackend> State<B> {
             device_total,
             device_free,
             largest_free_block: s.largest_free_block,
-            pending_bytes: self.pending_bytes,
+            pending_bytes: self.pending().1,
             driver_error: self
                 .bfc
                 .source_mut()
@@ -663,8 +657,6 @@ impl<B: DeviceBackend> DevicePool<B> {
                 state: Mutex::new(State {
                     bfc,
                     queues: Vec::new(),
-                    pending_blocks: 0,
-                    pending_bytes: 0,
                     stranded_bytes: 0,
                     errors: Vec::new(),
                 }),
@@ -749,11 +741,12 @@ impl<B: DeviceBackend> DevicePool<B> {
         let mut st = self.shared.lock();
         let allocator = st.bfc.stats();
         let (device_free, device_total) = st.backend().mem_info().unwrap_or((0, 0));
+        let (pending_blocks, pending_bytes) = st.pending();
         DeviceStats {
             ordinal: self.shared.ordinal,
             allocator,
-            pending_blocks: st.pending_blocks,
-            pending_bytes: st.pending_bytes,
+            pending_blocks,
+            pending_bytes,
             stranded_bytes: st.stranded_bytes,
             device_free,
             device_total,
