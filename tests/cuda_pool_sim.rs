@@ -757,19 +757,25 @@ fn invalid_requests_are_errors() {
 #[repr(C, align(4096))]
 struct Page([u8; 4096]);
 
-#[test]
-fn padding_of_over_aligned_regions_counts_against_the_limit() {
-    let dev = SimDevice::new(GIB);
-    // Another pool's region of 1 MiB + 512 bytes leaves the driver's next address off 4 KiB.
+/// A pool limited to 4 MiB whose regions come after another pool's region of 1 MiB + 512 bytes
+/// (kept alive with one buffer), so the driver's next address is off 4 KiB: `(other, its buffer,
+/// the pool)`.
+fn beside_an_odd_region(dev: &SimDevice) -> (Pool, DeviceBuffer<u8, SimBackend>, Pool) {
     let other = pool(
-        &dev,
+        dev,
         PoolOptions {
             allow_growth: false,
             ..PoolOptions::with_limit(MIB + 512)
         },
     );
-    let _o = alloc(&other, A, 100).unwrap();
-    let p = pool(&dev, PoolOptions::with_limit(4 * MIB));
+    let o = alloc(&other, A, 100).unwrap();
+    (other, o, pool(dev, PoolOptions::with_limit(4 * MIB)))
+}
+
+#[test]
+fn padding_of_over_aligned_regions_counts_against_the_limit() {
+    let dev = SimDevice::new(GIB);
+    let (_other, _o, p) = beside_an_odd_region(&dev);
     // SAFETY: simulated memory is never read.
     let a = unsafe { p.alloc::<Page>(&A, 256) }.unwrap();
     assert_eq!(a.device_address() % 4096, 0);
@@ -938,15 +944,7 @@ fn regions_given_back_free_their_share_of_the_limit() {
 #[test]
 fn a_refusal_by_the_padding_limit_is_reported() {
     let dev = SimDevice::new(GIB);
-    let other = pool(
-        &dev,
-        PoolOptions {
-            allow_growth: false,
-            ..PoolOptions::with_limit(MIB + 512)
-        },
-    );
-    let _o = alloc(&other, A, 100).unwrap();
-    let p = pool(&dev, PoolOptions::with_limit(4 * MIB));
+    let (_other, _o, p) = beside_an_odd_region(&dev);
     // SAFETY: simulated memory is never read.
     let a = unsafe { p.alloc::<Page>(&A, 256) }.unwrap();
     // SAFETY: as above.

@@ -6,6 +6,27 @@ use std::hint::black_box;
 
 use bfc_alloc::{GlobalBfc, HostConfig};
 
+/// A private instance's settings for the tests that make several (a 256 MiB arena each).
+const SMALL_ARENA: HostConfig = HostConfig {
+    arena_size: 256 << 20,
+    min_arena_size: 256 << 20,
+    ..HostConfig::DEFAULT
+};
+
+/// Allocates ten 48-byte blocks from `a` and frees them: they end up in this thread's cache.
+fn use_small(a: &GlobalBfc) {
+    let l = Layout::from_size_align(48, 8).unwrap();
+    let mut blocks = [0usize; 10];
+    for b in blocks.iter_mut() {
+        // SAFETY: a valid layout.
+        *b = unsafe { black_box(a.alloc(l)) } as usize;
+    }
+    for &p in &blocks {
+        // SAFETY: allocated above with `l`, freed once.
+        unsafe { a.dealloc(p as *mut u8, l) };
+    }
+}
+
 #[test]
 fn a_threads_cache_goes_back_when_it_exits() {
     static LOCAL: GlobalBfc = GlobalBfc::with_config(HostConfig {
@@ -45,32 +66,15 @@ fn a_threads_cache_goes_back_when_it_exits() {
 
 #[test]
 fn dropping_an_instance_frees_the_threads_cache_for_the_next() {
-    let config = HostConfig {
-        arena_size: 256 << 20,
-        min_arena_size: 256 << 20,
-        ..HostConfig::DEFAULT
-    };
-    let l = Layout::from_size_align(48, 8).unwrap();
     std::thread::spawn(move || {
-        let use_small = |a: &GlobalBfc| {
-            let mut blocks = [0usize; 10];
-            for b in blocks.iter_mut() {
-                // SAFETY: a valid layout.
-                *b = unsafe { black_box(a.alloc(l)) } as usize;
-            }
-            for &p in &blocks {
-                // SAFETY: allocated above with `l`, freed once.
-                unsafe { a.dealloc(p as *mut u8, l) };
-            }
-        };
-        let first = Box::new(GlobalBfc::with_config(config));
+        let first = Box::new(GlobalBfc::with_config(SMALL_ARENA));
         use_small(&first);
         assert!(
             first.thread_cache_bytes() > 0,
             "the cache binds to the first instance"
         );
         drop(first); // orphans the cache; its blocks went with the arena
-        let second = Box::new(GlobalBfc::with_config(config));
+        let second = Box::new(GlobalBfc::with_config(SMALL_ARENA));
         use_small(&second);
         assert!(
             second.thread_cache_bytes() > 0,
@@ -254,26 +258,9 @@ fn stats_count_every_cached_block_and_a_release_drains_the_transfer_cache() {
 /// the registry.
 #[test]
 fn a_cache_rebound_after_its_instance_dropped_flushes_at_exit() {
-    let config = HostConfig {
-        arena_size: 256 << 20,
-        min_arena_size: 256 << 20,
-        ..HostConfig::DEFAULT
-    };
-    let l = Layout::from_size_align(48, 8).unwrap();
-    let use_small = move |a: &GlobalBfc| {
-        let mut blocks = [0usize; 10];
-        for b in blocks.iter_mut() {
-            // SAFETY: a valid layout.
-            *b = unsafe { black_box(a.alloc(l)) } as usize;
-        }
-        for &p in &blocks {
-            // SAFETY: allocated above with `l`, freed once.
-            unsafe { a.dealloc(p as *mut u8, l) };
-        }
-    };
-    let second: &'static GlobalBfc = Box::leak(Box::new(GlobalBfc::with_config(config)));
+    let second: &'static GlobalBfc = Box::leak(Box::new(GlobalBfc::with_config(SMALL_ARENA)));
     std::thread::spawn(move || {
-        let first = Box::new(GlobalBfc::with_config(config));
+        let first = Box::new(GlobalBfc::with_config(SMALL_ARENA));
         use_small(&first);
         drop(first);
         use_small(second);

@@ -133,16 +133,33 @@ impl SimState {
         self.live.iter().map(|l| l.1).sum()
     }
 
+    /// Items of stream `id` completed (0 for a stream never used).
+    fn done(&self, id: u64) -> u64 {
+        self.streams
+            .iter()
+            .find(|s| s.id == id)
+            .map_or(0, |s| s.done)
+    }
+
+    /// The waits of stream `id` that items up to `n` come after, as `(stream, item)`.
+    fn waits_before(&self, id: u64, n: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.streams
+            .iter()
+            .filter(move |s| s.id == id)
+            .flat_map(|s| s.waits.iter())
+            .filter(move |w| w.0 < n)
+            .map(|w| (w.1, w.2))
+    }
+
     /// How far stream `id` can complete: up to its first wait for an item not yet completed.
     fn completable(&mut self, id: u64) -> u64 {
-        let s = self.stream(id);
-        let (queued, waits) = (s.queued, s.waits.clone());
-        for (after, other, item) in waits {
-            if self.stream(other).done < item {
-                return after.min(queued);
-            }
-        }
-        queued
+        let queued = self.stream(id).queued;
+        let unmet = self
+            .streams
+            .iter()
+            .filter(|s| s.id == id)
+            .find_map(|s| s.waits.iter().find(|w| self.done(w.1) < w.2).map(|w| w.0));
+        unmet.map_or(queued, |after| after.min(queued))
     }
 
     /// Completes stream `id` up to item `n` and, first, everything that waits for (a real wait
@@ -155,15 +172,9 @@ impl SimState {
             if s.done >= n {
                 continue;
             }
-            let deps: Vec<(u64, u64)> = s
-                .waits
-                .iter()
-                .filter(|w| w.0 < n)
-                .map(|w| (w.1, w.2))
-                .collect();
-            let open: Vec<(u64, u64)> = deps
-                .into_iter()
-                .filter(|&(other, item)| self.stream(other).done < item)
+            let open: Vec<(u64, u64)> = self
+                .waits_before(id, n)
+                .filter(|&(other, item)| self.done(other) < item)
                 .collect();
             if open.is_empty() {
                 self.stream(id).done = n;
@@ -174,11 +185,32 @@ impl SimState {
         }
     }
 
+    /// Completes every stream of context `ctx` (every stream with `None`).
+    fn force_all(&mut self, ctx: Option<u32>) {
+        let ids: Vec<u64> = self
+            .streams
+            .iter()
+            .map(|s| s.id)
+            .filter(|&id| ctx.is_none_or(|c| SimStream(id).context() == c))
+            .collect();
+        for id in ids {
+            self.force(id, u64::MAX);
+        }
+    }
+
     /// Queues one item on `stream`; returns its number.
     fn enqueue(&mut self, stream: u64) -> u64 {
         let s = self.stream(stream);
         s.queued += 1;
         s.queued
+    }
+}
+
+/// Makes `ctx` a member of the set `list`, or not.
+fn set_member(list: &mut Vec<u32>, ctx: u32, member: bool) {
+    list.retain(|&c| c != ctx);
+    if member {
+        list.push(ctx);
     }
 }
 
@@ -284,20 +316,12 @@ impl SimDevice {
     /// Makes context `ctx` hold a recorded error, or not: while it does, the end of a use on one
     /// of its streams is not marked (cudarc skips a guard's record or wait).
     pub fn set_context_error(&self, ctx: u32, error: bool) {
-        let mut st = self.lock();
-        st.context_errors.retain(|&c| c != ctx);
-        if error {
-            st.context_errors.push(ctx);
-        }
+        set_member(&mut self.lock().context_errors, ctx, error);
     }
 
     /// Makes the use protocol's synchronisation of context `ctx` fail, or not.
     pub fn set_fail_context_sync(&self, ctx: u32, fail: bool) {
-        let mut st = self.lock();
-        st.fail_context_syncs.retain(|&c| c != ctx);
-        if fail {
-            st.fail_context_syncs.push(ctx);
-        }
+        set_member(&mut self.lock().fail_context_syncs, ctx, fail);
     }
 
     /// Whether item `a` (a stream and an item number) is ordered before item `b` on the device:
@@ -305,7 +329,7 @@ impl SimDevice {
     /// after an item ordered after `a`. (Completion is another way to be done before: see
     /// [`completed`](Self::completed).)
     pub fn ordered_before(&self, a: (SimStream, u64), b: (SimStream, u64)) -> bool {
-        let mut st = self.lock();
+        let st = self.lock();
         let mut todo = std::vec![(b.0 .0, b.1)];
         let mut seen: Vec<(u64, u64)> = Vec::new();
         while let Some((id, n)) = todo.pop() {
@@ -316,8 +340,7 @@ impl SimDevice {
                 continue;
             }
             seen.push((id, n));
-            let s = st.stream(id);
-            todo.extend(s.waits.iter().filter(|w| w.0 < n).map(|w| (w.1, w.2)));
+            todo.extend(st.waits_before(id, n));
         }
         false
     }
@@ -354,11 +377,7 @@ impl SimDevice {
 
     /// Completes all work on every stream.
     pub fn complete_all(&self) {
-        let mut st = self.lock();
-        let ids: Vec<u64> = st.streams.iter().map(|s| s.id).collect();
-        for id in ids {
-            st.force(id, u64::MAX);
-        }
+        self.lock().force_all(None);
     }
 
     /// Items (work and events) queued on `stream` and not yet completed.
@@ -553,15 +572,7 @@ impl DeviceBackend for SimBackend {
         }
         st.device_syncs += 1;
         // `cuCtxSynchronize`: the pool's context (0) only.
-        let ids: Vec<u64> = st
-            .streams
-            .iter()
-            .filter(|s| SimStream(s.id).context() == 0)
-            .map(|s| s.id)
-            .collect();
-        for id in ids {
-            st.force(id, u64::MAX);
-        }
+        st.force_all(Some(0));
         Ok(())
     }
 
@@ -678,15 +689,7 @@ impl UseOps for SimDevice {
         if st.fail_context_syncs.contains(ctx) {
             return Err(failed("cuCtxSynchronize"));
         }
-        let ids: Vec<u64> = st
-            .streams
-            .iter()
-            .filter(|s| SimStream(s.id).context() == *ctx)
-            .map(|s| s.id)
-            .collect();
-        for id in ids {
-            st.force(id, u64::MAX);
-        }
+        st.force_all(Some(*ctx));
         Ok(())
     }
 }
