@@ -36,22 +36,39 @@ fn churn_four_threads(a: &dyn GlobalAlloc, steps: usize) -> f64 {
     churn_threads(a, steps, 4)
 }
 
+/// The churn with every block 64-byte aligned (cache-line padded objects), in two threads: ns per step
+/// of one thread.
+fn churn_aligned_two_threads(a: &dyn GlobalAlloc, steps: usize) -> f64 {
+    in_threads(a, 2, |a| churn_aligned(a, steps, 8, 4096, 64))
+}
+
 fn churn_threads(a: &dyn GlobalAlloc, steps: usize, threads: usize) -> f64 {
+    in_threads(a, threads, |a| churn_sizes(a, steps, 8, 4096))
+}
+
+/// Runs `f` in `threads` threads at once; the mean of their results.
+fn in_threads(
+    a: &dyn GlobalAlloc,
+    threads: usize,
+    f: impl Fn(&dyn GlobalAlloc) -> f64 + Sync,
+) -> f64 {
     // `&dyn GlobalAlloc` is not `Sync`; both allocators compared here are, so share the pointer.
     struct Shared<'a>(&'a dyn GlobalAlloc);
     // SAFETY: only `GlobalBfc` and `System` are passed in, and both are `Sync`.
     unsafe impl Sync for Shared<'_> {}
     let shared = Shared(a);
-    let shared = &shared;
+    let (shared, f) = (&shared, &f);
     std::thread::scope(|s| {
-        let t: Vec<_> = (0..threads)
-            .map(|_| s.spawn(move || churn_sizes(shared.0, steps, 8, 4096)))
-            .collect();
+        let t: Vec<_> = (0..threads).map(|_| s.spawn(move || f(shared.0))).collect();
         t.into_iter().map(|h| h.join().unwrap()).sum::<f64>() / threads as f64
     })
 }
 
 fn churn_sizes(a: &dyn GlobalAlloc, steps: usize, lo: usize, hi: usize) -> f64 {
+    churn_aligned(a, steps, lo, hi, 8)
+}
+
+fn churn_aligned(a: &dyn GlobalAlloc, steps: usize, lo: usize, hi: usize, align: usize) -> f64 {
     const LIVE: usize = 10_000;
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut live: Vec<(*mut u8, Layout)> = Vec::with_capacity(LIVE);
@@ -59,7 +76,7 @@ fn churn_sizes(a: &dyn GlobalAlloc, steps: usize, lo: usize, hi: usize) -> f64 {
     // layout.
     unsafe {
         for _ in 0..LIVE {
-            let l = Layout::from_size_align(rng.log_uniform(lo, hi), 8).unwrap();
+            let l = Layout::from_size_align(rng.log_uniform(lo, hi), align).unwrap();
             let p = a.alloc(l);
             *p = 1;
             live.push((p, l));
@@ -69,7 +86,7 @@ fn churn_sizes(a: &dyn GlobalAlloc, steps: usize, lo: usize, hi: usize) -> f64 {
             let i = rng.next() as usize % LIVE;
             let (p, l) = live[i];
             a.dealloc(p, l);
-            let l = Layout::from_size_align(rng.log_uniform(lo, hi), 8).unwrap();
+            let l = Layout::from_size_align(rng.log_uniform(lo, hi), align).unwrap();
             let p = a.alloc(l);
             *p = 1;
             live[i] = (p, l);
@@ -85,6 +102,21 @@ fn churn_sizes(a: &dyn GlobalAlloc, steps: usize, lo: usize, hi: usize) -> f64 {
 /// 32-byte alloc/free pairs. ns per pair.
 fn pairs(a: &dyn GlobalAlloc, n: usize) -> f64 {
     let l = Layout::from_size_align(32, 8).unwrap();
+    let t = Instant::now();
+    for _ in 0..n {
+        // SAFETY: a non-zero layout; the block is freed once with it.
+        unsafe {
+            let p = a.alloc(l);
+            black_box(p);
+            a.dealloc(p, l);
+        }
+    }
+    t.elapsed().as_nanos() as f64 / n as f64
+}
+
+/// 64-byte blocks aligned to 64 bytes (a cache-line padded value), alloc/free pairs. ns per pair.
+fn aligned_pairs(a: &dyn GlobalAlloc, n: usize) -> f64 {
+    let l = Layout::from_size_align(64, 64).unwrap();
     let t = Instant::now();
     for _ in 0..n {
         // SAFETY: a non-zero layout; the block is freed once with it.
@@ -175,7 +207,7 @@ fn main() {
         fn(&dyn GlobalAlloc, usize) -> f64,
         usize,
     );
-    let workloads: [Workload; 7] = [
+    let workloads: [Workload; 9] = [
         ("mixed-size churn", "ns/step", churn, 50_000 * scale),
         (
             "churn x4 threads",
@@ -191,6 +223,18 @@ fn main() {
         ),
         ("churn 4K..64K core", "ns/step", churn_core, 20_000 * scale),
         ("32-byte pairs", "ns/pair", pairs, 500_000 * scale),
+        (
+            "64B-aligned pairs",
+            "ns/pair",
+            aligned_pairs,
+            500_000 * scale,
+        ),
+        (
+            "aligned churn x2",
+            "ns/step",
+            churn_aligned_two_threads,
+            50_000 * scale,
+        ),
         ("Vec growth", "ns/push", vec_growth, 2 * scale),
         ("large 64K..16M", "ns/step", large, 500 * scale),
     ];

@@ -156,6 +156,69 @@ fn over_aligned_blocks() {
     A.check().unwrap();
 }
 
+/// Small requests aligned to more than 16 bytes (up to 4 KiB) are slab objects of a class whose
+/// size is a multiple of the alignment: aligned, disjoint, keeping their bytes, and freed into the
+/// thread's cache like any small block.
+#[test]
+fn small_over_aligned_blocks_are_slab_objects() {
+    let mut live = Vec::new();
+    // SAFETY: non-zero layouts; each block is written within its size and freed once with its
+    // layout.
+    unsafe {
+        for shift in 5..=12u32 {
+            let align = 1usize << shift;
+            for size in [1, 17, 64, 100, 1000, 4000, 4096] {
+                let l = Layout::from_size_align(size, align).unwrap();
+                for _ in 0..40 {
+                    let p = alloc(l);
+                    assert!(!p.is_null(), "size {size} align {align}");
+                    assert_eq!(p as usize % align, 0, "size {size} align {align}");
+                    let usable = A.usable_size(p).unwrap();
+                    assert!(
+                        usable >= size && usable % align == 0 && usable <= 4096,
+                        "size {size} align {align}: usable {usable}"
+                    );
+                    p.write_bytes(shift as u8, size);
+                    live.push((p, l, usable));
+                }
+            }
+        }
+        live.sort_by_key(|&(p, ..)| p as usize);
+        for w in live.windows(2) {
+            assert!(
+                w[0].0 as usize + w[0].2 <= w[1].0 as usize,
+                "overlapping blocks"
+            );
+        }
+        for (p, l, _) in live {
+            let fill = l.align().trailing_zeros() as u8;
+            assert!(
+                (0..l.size()).all(|i| *p.add(i) == fill),
+                "a block lost its bytes"
+            );
+            dealloc(p, l);
+        }
+    }
+    A.check().unwrap();
+    // The thread cache takes a freed aligned block, and hands it to the next request of its class.
+    #[cfg(feature = "std")]
+    std::thread::spawn(|| {
+        let l = Layout::from_size_align(64, 64).unwrap();
+        // SAFETY: a non-zero layout; the block is freed once with it.
+        unsafe {
+            let p = alloc(l);
+            let before = A.thread_cache_bytes();
+            dealloc(p, l);
+            assert_eq!(A.thread_cache_bytes(), before + 64);
+            let q = alloc(l);
+            assert_eq!(q, p, "the cached block was not reused");
+            dealloc(q, l);
+        }
+    })
+    .join()
+    .unwrap();
+}
+
 #[test]
 fn multi_gib_virtual_allocations() {
     let _g = heavy();
@@ -297,9 +360,10 @@ fn allocator_api2_allocate_and_grow() {
         assert_eq!(g2.cast::<u8>().as_ptr() as usize % 4096, 0);
         assert_eq!(*g2.cast::<u8>().as_ptr().add(47), 7);
         A.deallocate(g2.cast(), Layout::from_size_align(8192, 4096).unwrap());
-        // Lowering the alignment turns a large (over-aligned) block into a small one: it must
-        // move, because the small layout it is freed with sends it to the thread cache.
-        let big_align = Layout::from_size_align(64, 64).unwrap();
+        // Lowering the alignment turns a large (over-aligned: above 4 KiB) block into a small
+        // one: it must move, because the small layout it is freed with sends it to the thread
+        // cache.
+        let big_align = Layout::from_size_align(64, 8192).unwrap();
         let small = Layout::from_size_align(64, 8).unwrap();
         let p = A.allocate(big_align).unwrap();
         p.cast::<u8>().as_ptr().write_bytes(9, 64);

@@ -8,6 +8,7 @@
 //! - `large`: the churn over 64 blocks of 64 KiB..=16 MiB.
 //! - `churn2`, `churn4`: the churn in 2 / 4 threads, each with its own live set; wall time of the
 //!   measured loops over the steps of one thread.
+//! - `achurn2`: `churn2` with every block aligned to 64 bytes (cache-line padded values).
 //! - `xfree`: one thread allocates (8..=512 bytes) and sends batches of 256 to one that frees them;
 //!   wall time per object.
 //! - `json`: `serde_json` parse of an 11.5 MB document into a `Value` and back to a `String`.
@@ -27,6 +28,7 @@ pub const WORKLOADS: &[(&str, &str)] = &[
     ("large", "ns/step"),
     ("churn2", "ns/step/thread"),
     ("churn4", "ns/step/thread"),
+    ("achurn2", "ns/step/thread"),
     ("xfree", "ns/object"),
     ("json", "ms/round (11.5 MB parse + serialize)"),
 ];
@@ -51,14 +53,19 @@ impl Rng {
     }
 }
 
-fn layout(size: usize) -> Layout {
-    Layout::from_size_align(size, 8).unwrap()
+fn layout_aligned(size: usize, align: usize) -> Layout {
+    Layout::from_size_align(size, align).unwrap()
 }
 
 /// Allocates `size` bytes and writes the first byte.
 fn get(size: usize) -> *mut u8 {
+    get_aligned(size, 8)
+}
+
+/// Allocates `size` bytes aligned to `align` and writes the first byte.
+fn get_aligned(size: usize, align: usize) -> *mut u8 {
     // SAFETY: a non-zero layout.
-    let p = unsafe { alloc(layout(size)) };
+    let p = unsafe { alloc(layout_aligned(size, align)) };
     assert!(!p.is_null(), "out of memory");
     // SAFETY: the block holds at least one byte.
     unsafe { p.write(size as u8) };
@@ -66,8 +73,13 @@ fn get(size: usize) -> *mut u8 {
 }
 
 fn put(p: *mut u8, size: usize) {
-    // SAFETY: `p` came from `get(size)` and is freed once.
-    unsafe { dealloc(p, layout(size)) };
+    put_aligned(p, size, 8)
+}
+
+fn put_aligned(p: *mut u8, size: usize, align: usize) {
+    // SAFETY: `p` came from `get_aligned(size, align)` (or `get(size)` for `align` 8) and is freed
+    // once.
+    unsafe { dealloc(p, layout_aligned(size, align)) };
 }
 
 /// Random replacement in a live set of `live` blocks of log-uniform sizes in `lo..=hi`. Fills the
@@ -79,13 +91,14 @@ fn churn_span(
     lo: usize,
     hi: usize,
     steps: usize,
+    align: usize,
     start: Option<&Barrier>,
 ) -> (Instant, Instant) {
     let mut rng = Rng(seed);
     let mut slots: Vec<(*mut u8, usize)> = (0..live)
         .map(|_| {
             let s = rng.log_size(lo, hi);
-            (get(s), s)
+            (get_aligned(s, align), s)
         })
         .collect();
     if let Some(b) = start {
@@ -95,20 +108,20 @@ fn churn_span(
     for _ in 0..steps {
         let i = (rng.next() % live as u64) as usize;
         let (p, s) = slots[i];
-        put(p, s);
+        put_aligned(p, s, align);
         let s = rng.log_size(lo, hi);
-        slots[i] = (get(s), s);
+        slots[i] = (get_aligned(s, align), s);
     }
     let t1 = Instant::now();
     for (p, s) in slots {
-        put(p, s);
+        put_aligned(p, s, align);
     }
     (t0, t1)
 }
 
 /// [`churn_span`] in one thread: ns per step.
 fn churn(seed: u64, live: usize, lo: usize, hi: usize, steps: usize) -> f64 {
-    let (t0, t1) = churn_span(seed, live, lo, hi, steps, None);
+    let (t0, t1) = churn_span(seed, live, lo, hi, steps, 8, None);
     (t1 - t0).as_nanos() as f64 / steps as f64
 }
 
@@ -132,15 +145,15 @@ fn vec_growth(rounds: usize, len: usize) -> f64 {
     t.elapsed().as_nanos() as f64 / (rounds * len) as f64
 }
 
-/// The churn in `threads` threads at once, each with its own live set: the wall time from the
-/// first measured loop's start to the last one's end, per step of one thread.
-fn threaded_churn(threads: usize, steps: usize) -> f64 {
+/// The churn in `threads` threads at once, each with its own live set, blocks aligned to `align`:
+/// the wall time from the first measured loop's start to the last one's end, per step of one thread.
+fn threaded_churn(threads: usize, steps: usize, align: usize) -> f64 {
     let start = Arc::new(Barrier::new(threads));
     let hs: Vec<_> = (0..threads)
         .map(|t| {
             let start = start.clone();
             std::thread::spawn(move || {
-                churn_span(7 + t as u64, 10_000, 8, 4096, steps, Some(&start))
+                churn_span(7 + t as u64, 10_000, 8, 4096, steps, align, Some(&start))
             })
         })
         .collect();
@@ -242,8 +255,9 @@ pub fn main() {
         "pairs" => pairs(30_000_000),
         "vec" => vec_growth(200, 1 << 20),
         "large" => churn(3, 64, 64 << 10, 16 << 20, 100_000),
-        "churn2" => threaded_churn(2, 2_000_000),
-        "churn4" => threaded_churn(4, 750_000),
+        "churn2" => threaded_churn(2, 2_000_000, 8),
+        "churn4" => threaded_churn(4, 750_000, 8),
+        "achurn2" => threaded_churn(2, 2_000_000, 64),
         "xfree" => cross_thread_free(2_000_000),
         "json" => json(2),
         other => panic!("unknown workload {other}"),

@@ -10,9 +10,12 @@
 //!
 //! The whole arena is the engine's single region, so any two neighbouring free blocks coalesce.
 //!
-//! Requests of at most 4 KiB (alignment at most 16) are served by a slab layer on top of the engine
-//! (see `small.rs`): 64 KiB spans taken from the engine, objects tracked by out-of-band bitmaps, so a
-//! small allocation or free is a bit operation and a double free is still detected. Each class takes
+//! Requests of at most 4 KiB (alignment at most 4 KiB) are served by a slab layer on top of the
+//! engine (see `small.rs`): 64 KiB spans taken from the engine, objects tracked by out-of-band
+//! bitmaps, so a small allocation or free is a bit operation and a double free is still detected.
+//! A request aligned to more than 16 bytes takes the smallest class whose size is a multiple of its
+//! alignment (a cache-line-aligned 64-byte value takes the 64-byte class, a page-aligned one the
+//! 4 KiB class), so it gets the same thread caches and speed. Each class takes
 //! the lowest free object of its lowest span with room, so a class's touched memory follows its peak
 //! live bytes, and its spans above that drain and go back to the engine for any size to reuse.
 //! Everything larger goes to the engine, with its best fit and coalescing; new blocks of 64 KiB or

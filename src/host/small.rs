@@ -1,7 +1,8 @@
 //! Small objects: size-class slabs carved from BFC chunks.
 //!
-//! Requests of at most [`SMALL_MAX`] (4 KiB) bytes with alignment at most 16 are served from *spans*: 64 KiB,
-//! 64 KiB-aligned chunks taken from the BFC engine, each cut into equal objects of one size class.
+//! Requests of at most [`SMALL_MAX`] (4 KiB) bytes with alignment at most 4 KiB are served from
+//! *spans*: 64 KiB, 64 KiB-aligned chunks taken from the BFC engine, each cut into equal objects of
+//! one size class (an aligned request takes a class whose size is a multiple of its alignment).
 //! Everything about a span lives outside it, in the span table (one [`Span`] per 64 KiB of arena):
 //! its class, its free count, and a bitmap with one bit per object (set = allocated). So:
 //!
@@ -70,14 +71,62 @@ const RECIP: [u64; NUM_CLASSES] = {
     r
 };
 
-/// The class of a small request, or `None` if it goes to the engine.
+/// Rows of [`ALIGNED`]: alignments 32, 64, ..., [`SMALL_MAX`] (a power of two).
+const ALIGN_ROWS: usize = (SMALL_MAX.trailing_zeros() - 4) as usize;
+static_assertions::const_assert!(ALIGN_ROWS.is_power_of_two());
+
+/// `ALIGNED[k][c]` is the size in 16-byte units of the smallest class at or above `c` whose size is
+/// a multiple of `32 << k`. Spans start on a [`SPAN`] boundary, so every object of such a class is
+/// aligned to `32 << k`.
+const ALIGNED: [[u16; NUM_CLASSES]; ALIGN_ROWS] = {
+    let mut t = [[0u16; NUM_CLASSES]; ALIGN_ROWS];
+    let mut k = 0;
+    while k < ALIGN_ROWS {
+        let mut c = 0;
+        while c < NUM_CLASSES {
+            let mut d = c;
+            // Terminates: the last class, `SMALL_MAX`, is a multiple of every row's alignment.
+            while CLASS_SIZES[d] % (32 << k) != 0 {
+                d += 1;
+            }
+            t[k][c] = (CLASS_SIZES[d] / 16) as u16;
+            c += 1;
+        }
+        k += 1;
+    }
+    t
+};
+
+/// The class of a small request, or `None` if it goes to the engine: at most [`SMALL_MAX`] bytes
+/// with an alignment of at most [`SMALL_MAX`]. Above 16 bytes of alignment, the smallest class
+/// that fits and whose size is a multiple of the alignment (a 64-byte-aligned 100-byte request
+/// takes the 128-byte class, a page-aligned one the 4 KiB class).
 #[inline]
 pub(crate) fn class_for(size: usize, align: usize) -> Option<usize> {
-    if size <= SMALL_MAX && align <= 16 {
-        Some(CLASS_OF[size.div_ceil(16)] as usize)
-    } else {
-        None
+    if size > SMALL_MAX {
+        return None;
     }
+    // Both ways end in one load from `CLASS_OF`, whose entries the compiler sees are all classes:
+    // so it drops the bounds checks on the class in the fast paths (no panic path there).
+    // (`(size + 15) >> 4` rather than `div_ceil`, whose bound the compiler loses here.)
+    let units = if align <= 16 {
+        (size + 15) >> 4
+    } else if align <= SMALL_MAX {
+        aligned_units(size, align)
+    } else {
+        return None;
+    };
+    Some(CLASS_OF[units] as usize)
+}
+
+/// The size in 16-byte units of [`class_for`]'s class for a request of at most [`SMALL_MAX`] bytes
+/// aligned to a power of two in `32..=SMALL_MAX`. (The mask and the `min` change nothing for such
+/// a request; they show the compiler that the indices are in bounds.)
+#[inline]
+fn aligned_units(size: usize, align: usize) -> usize {
+    let row = (align.trailing_zeros() as usize).wrapping_sub(5) & (ALIGN_ROWS - 1);
+    let c = CLASS_OF[(size + 15) >> 4] as usize;
+    (ALIGNED[row][c] as usize).min(SMALL_MAX / 16)
 }
 
 /// Size of class `c`'s objects.
@@ -804,7 +853,42 @@ mod tests {
             assert_eq!(CLASS_SIZES[c] % 16, 0);
         }
         assert_eq!(class_for(SMALL_MAX + 1, 8), None);
-        assert_eq!(class_for(64, 32), None);
+    }
+
+    /// An aligned request takes the smallest class that holds it and whose size is a multiple of
+    /// the alignment (so every object of the class is aligned); beyond 4 KiB of alignment, or of
+    /// size, it goes to the engine.
+    #[test]
+    fn aligned_requests_take_the_smallest_class_of_aligned_objects() {
+        let mut align = 32;
+        while align <= SMALL_MAX {
+            for size in 1..=SMALL_MAX {
+                let c = class_for(size, align).unwrap();
+                let fits = |d: usize| {
+                    CLASS_SIZES[d] as usize >= size && CLASS_SIZES[d] as usize % align == 0
+                };
+                assert!(
+                    fits(c),
+                    "size {size} align {align}: class {}",
+                    CLASS_SIZES[c]
+                );
+                assert!(
+                    (0..c).all(|d| !fits(d)),
+                    "size {size} align {align}: class {} is not the smallest",
+                    CLASS_SIZES[c]
+                );
+                // Every object of the class starts at an aligned offset of its span.
+                assert!((0..SPAN / CLASS_SIZES[c] as usize)
+                    .all(|i| i * CLASS_SIZES[c] as usize % align == 0));
+            }
+            assert_eq!(class_for(SMALL_MAX + 1, align), None);
+            align *= 2;
+        }
+        assert_eq!(class_for(100, 64), class_for(128, 8));
+        assert_eq!(class_for(1, SMALL_MAX), class_for(SMALL_MAX, 8));
+        assert_eq!(class_for(8, 2 * SMALL_MAX), None);
+        // At most 16 bytes of alignment changes nothing.
+        assert!((1..=SMALL_MAX).all(|s| class_for(s, 16) == class_for(s, 1)));
     }
 
     /// A heap over a fake arena at `ARENA` of `spans` spans (the slab layer never touches object
