@@ -1,10 +1,16 @@
 //! The host allocator: the BFC engine behind a spinlock over one reserved `mmap` arena.
 //!
 //! On first use [`GlobalBfc`] reserves [`HostConfig::arena_size`] bytes of address space with
-//! `MAP_NORESERVE` (halving down to [`HostConfig::min_arena_size`] if the kernel refuses), plus a
-//! separate reservation for metadata: the pointer map (4 bytes per 512 arena bytes), the chunk table
-//! ([`HostConfig::chunk_capacity`] records of 32 bytes), and the slab layer's span table and span
-//! sets (under 1% of the arena). Nothing is committed up front: pages are backed when first
+//! `MAP_NORESERVE`, plus a separate reservation for metadata: the pointer map (4 bytes per 512
+//! arena bytes), the chunk table ([`HostConfig::chunk_capacity`] records of 32 bytes, at most one
+//! per 256 arena bytes), and the slab layer's span table and span sets (under 1% of the arena). If
+//! the kernel refuses either, both are tried again with half the arena, down to
+//! [`HostConfig::min_arena_size`]; below that, a warning goes to standard error and every
+//! allocation fails. Under an address-space limit (`RLIMIT_AS`, `ulimit -v`) the first try is at
+//! most half the limit, so the rest of the process (thread stacks, libraries) keeps room; the
+//! arena does not grow later. (With `vm.overcommit_memory = 2` the kernel charges the whole
+//! reservation as committed memory, `MAP_NORESERVE` or not, so the arena is sized down to what the
+//! commit limit allows.) Nothing is committed up front: pages are backed when first
 //! touched, so the resident cost follows the bytes and chunks actually used. Initialisation
 //! allocates nothing.
 //!
@@ -110,9 +116,10 @@ pub use tcache::MAX_CACHED_BYTES;
 pub struct HostConfig {
     /// Address space reserved for the heap (default 64 GiB). Allocations beyond it fail.
     pub arena_size: usize,
-    /// Smallest arena accepted when the kernel refuses the full size (default 1 GiB).
+    /// Smallest arena accepted when the kernel refuses a larger one (default 16 MiB).
     pub min_arena_size: usize,
-    /// Capacity of the chunk table (default 2^25 records = 1 GiB of address space, touched as used).
+    /// Capacity of the chunk table (default 2^25 records = 1 GiB of address space, touched as used),
+    /// at most one record per 256 bytes of the arena reserved.
     pub chunk_capacity: usize,
     /// Free chunks at least this large give their pages back to the kernel (default 1 MiB).
     pub release_threshold: usize,
@@ -126,7 +133,7 @@ impl HostConfig {
     /// The defaults.
     pub const DEFAULT: HostConfig = HostConfig {
         arena_size: 64 << 30,
-        min_arena_size: 1 << 30,
+        min_arena_size: 16 << 20,
         chunk_capacity: 1 << 25,
         release_threshold: 1 << 20,
         granule: 16,
@@ -220,6 +227,72 @@ unsafe impl MemorySource for HostSource {
         // SAFETY: the map starts the metadata reservation (page-aligned); zeroing its pages makes it
         // ready for the next `alloc_map`. The engine no longer uses it.
         unsafe { os::discard_or_zero(map.as_ptr() as usize, bytes.next_multiple_of(self.page)) };
+    }
+}
+
+/// Arena bytes per chunk record at most reserved: the chunk table holds
+/// `min(chunk_capacity, arena_size / ARENA_BYTES_PER_RECORD)` records. Engine blocks are larger
+/// than 4 KiB, spans 64 KiB, and a free chunk lies between two others, so a smaller arena (one
+/// sized down under an address-space limit) does not need the default table's 1 GiB of address
+/// space.
+const ARENA_BYTES_PER_RECORD: usize = 256;
+
+/// Fewest records a table gets (`HostConfig::validate`'s minimum).
+const MIN_RECORDS: usize = 16;
+
+/// Where each part of the metadata reservation starts (page-aligned offsets), in order: the
+/// pointer map, the chunk table, the span table, the span classes, the span sets, the transfer
+/// cache and the anchor.
+struct MetaLayout {
+    map_entries: usize,
+    table_at: usize,
+    spans_at: usize,
+    span_entries: usize,
+    classes_at: usize,
+    sets_at: usize,
+    set_words: usize,
+    transfer_at: usize,
+    anchor_at: usize,
+    /// Bytes of the whole reservation.
+    size: usize,
+}
+
+impl MetaLayout {
+    /// The layout for an arena of `arena_size` bytes, a table of `capacity` records, a pointer map
+    /// with an entry per `block` bytes, and pages of `page` bytes.
+    fn new(arena_size: usize, capacity: usize, block: usize, page: usize) -> Self {
+        let map_entries = arena_size.div_ceil(block);
+        let map_bytes = (map_entries * 4).next_multiple_of(page);
+        let table_bytes = (capacity * core::mem::size_of::<Chunk>()).next_multiple_of(page);
+        let span_entries = arena_size >> small::SPAN_SHIFT;
+        let spans_bytes = (span_entries * SmallHeap::ENTRY).next_multiple_of(page);
+        let classes_bytes = span_entries.next_multiple_of(page);
+        let set_words = small::SpanSets::words_for(span_entries);
+        let sets_bytes = (set_words * core::mem::size_of::<u64>()).next_multiple_of(page);
+        #[cfg(feature = "std")]
+        let transfer_bytes =
+            (tcache::TRANSFER_SLOTS * core::mem::size_of::<usize>()).next_multiple_of(page);
+        #[cfg(not(feature = "std"))]
+        let transfer_bytes = 0;
+        let anchor_bytes = core::mem::size_of::<Anchor>().next_multiple_of(page);
+        let table_at = map_bytes;
+        let spans_at = table_at + table_bytes;
+        let classes_at = spans_at + spans_bytes;
+        let sets_at = classes_at + classes_bytes;
+        let transfer_at = sets_at + sets_bytes;
+        let anchor_at = transfer_at + transfer_bytes;
+        MetaLayout {
+            map_entries,
+            table_at,
+            spans_at,
+            span_entries,
+            classes_at,
+            sets_at,
+            set_words,
+            transfer_at,
+            anchor_at,
+            size: anchor_at + anchor_bytes,
+        }
     }
 }
 
@@ -1017,55 +1090,61 @@ impl Heap {
         let page = os::page_size();
         let engine_config = Config::host(0);
         let block = config.granule * engine_config.map_block_granules;
-        let mut arena_size = config.arena_size & !(ARENA_ALIGN - 1);
-        let (arena_mapping, arena_mapping_size) = loop {
+        // Under an address-space limit (`RLIMIT_AS`), leave half of it to the rest of the process
+        // (thread stacks, libraries, file mappings), but try at least the configured minimum.
+        let mut arena_size = config
+            .arena_size
+            .min(os::address_space_limit() / 2)
+            .max(config.min_arena_size)
+            & !(ARENA_ALIGN - 1);
+        // Both reservations or neither: when the metadata does not fit beside an arena, a smaller
+        // arena (with a smaller map and table) is tried.
+        let (arena_mapping, arena_mapping_size, capacity, meta, meta_mapping) = loop {
+            if arena_size < config.min_arena_size & !(ARENA_ALIGN - 1) {
+                os::warn(format_args!(
+                    "cannot reserve a heap arena of {} MiB or more of address space (an \
+                     address-space limit, `ulimit -v`?); every allocation from this allocator \
+                     fails",
+                    config.min_arena_size >> 20
+                ));
+                return None;
+            }
             // (A size near `usize::MAX` cannot be reserved either: halve it like a refusal.)
             if let Some(want) = arena_size.checked_add(ARENA_ALIGN) {
                 if let Some(p) = os::reserve(want) {
-                    break (p, want);
+                    let capacity = config
+                        .chunk_capacity
+                        .min((arena_size / ARENA_BYTES_PER_RECORD).max(MIN_RECORDS));
+                    let meta = MetaLayout::new(arena_size, capacity, block, page);
+                    if let Some(m) = os::reserve(meta.size) {
+                        break (p, want, capacity, meta, m);
+                    }
+                    // SAFETY: the arena reservation was just made and is unused.
+                    unsafe { os::unreserve(p, want) };
                 }
             }
-            arena_size /= 2;
-            if arena_size < config.min_arena_size {
-                return None;
-            }
+            arena_size = (arena_size / 2) & !(ARENA_ALIGN - 1);
         };
         let arena = (arena_mapping.as_ptr() as usize).next_multiple_of(ARENA_ALIGN);
-        let map_entries = arena_size.div_ceil(block);
-        let map_bytes = (map_entries * 4).next_multiple_of(page);
-        let table_bytes =
-            (config.chunk_capacity * core::mem::size_of::<Chunk>()).next_multiple_of(page);
-        let span_entries = arena_size >> small::SPAN_SHIFT;
-        let spans_bytes = (span_entries * SmallHeap::ENTRY).next_multiple_of(page);
-        let classes_bytes = span_entries.next_multiple_of(page);
-        let set_words = small::SpanSets::words_for(span_entries);
-        let sets_bytes = (set_words * core::mem::size_of::<u64>()).next_multiple_of(page);
-        #[cfg(feature = "std")]
-        let transfer_bytes =
-            (tcache::TRANSFER_SLOTS * core::mem::size_of::<usize>()).next_multiple_of(page);
-        #[cfg(not(feature = "std"))]
-        let transfer_bytes = 0;
-        let anchor_bytes = core::mem::size_of::<Anchor>().next_multiple_of(page);
-        // The metadata reservation, in order: map, table, spans, classes, sets, transfer, anchor.
-        let table_at = map_bytes;
-        let spans_at = table_at + table_bytes;
-        let classes_at = spans_at + spans_bytes;
-        let sets_at = classes_at + classes_bytes;
-        let transfer_at = sets_at + sets_bytes;
-        let anchor_at = transfer_at + transfer_bytes;
-        let meta_mapping_size = anchor_at + anchor_bytes;
-        let Some(meta_mapping) = os::reserve(meta_mapping_size) else {
-            // SAFETY: the arena reservation was just made and is unused.
-            unsafe { os::unreserve(arena_mapping, arena_mapping_size) };
-            return None;
-        };
+        let MetaLayout {
+            map_entries,
+            table_at,
+            spans_at,
+            span_entries,
+            classes_at,
+            sets_at,
+            set_words,
+            transfer_at,
+            anchor_at,
+            size: meta_mapping_size,
+        } = meta;
         // SAFETY: the table area lies inside the fresh metadata reservation, is aligned (page-aligned
         // offset), zero-filled (a valid `[Chunk]`, see `Chunk::EMPTY`), and used by nothing else for
         // the life of the heap, which never outlives the mapping (unmapped only in `Drop`).
         let table: &'static mut [Chunk] = unsafe {
             core::slice::from_raw_parts_mut(
                 meta_mapping.as_ptr().add(table_at).cast::<Chunk>(),
-                config.chunk_capacity,
+                capacity,
             )
         };
         // SAFETY: as for the table: a zero-filled (a valid `Span`: no object), aligned, exclusively
@@ -1105,7 +1184,8 @@ impl Heap {
                 tcache::TRANSFER_SLOTS,
             )
         };
-        let _ = transfer_bytes;
+        #[cfg(not(feature = "std"))]
+        let _ = transfer_at;
         let source = HostSource {
             arena,
             arena_size,

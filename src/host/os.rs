@@ -13,6 +13,27 @@ pub(crate) fn page_size() -> usize {
     }
 }
 
+/// The process's address-space limit (`RLIMIT_AS`) in bytes, `usize::MAX` if none.
+pub(crate) fn address_space_limit() -> usize {
+    // Miri implements no `getrlimit`.
+    #[cfg(miri)]
+    return usize::MAX;
+    #[cfg(not(miri))]
+    {
+        let mut r = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `getrlimit` writes the limit into `r`, a valid `rlimit`.
+        if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) } != 0
+            || r.rlim_cur == libc::RLIM_INFINITY
+        {
+            return usize::MAX;
+        }
+        usize::try_from(r.rlim_cur).unwrap_or(usize::MAX)
+    }
+}
+
 /// Reserves `size` bytes of zero-filled, read-write address space without committing memory
 /// (`MAP_NORESERVE`; pages are backed on first touch). `None` if the kernel refuses.
 pub(crate) fn reserve(size: usize) -> Option<NonNull<u8>> {
@@ -101,8 +122,9 @@ pub(crate) unsafe fn discard_or_zero(ptr: usize, size: usize) {
     }
 }
 
-/// Writes `msg` to standard error and aborts the process. Allocates nothing.
-pub(crate) fn fatal(args: core::fmt::Arguments<'_>) -> ! {
+/// Writes `bfc-alloc: {prefix}{args}` and a newline to standard error, cut at 512 bytes.
+/// Allocates nothing.
+fn write_stderr(prefix: &str, args: core::fmt::Arguments<'_>) {
     struct Buf {
         bytes: [u8; 512],
         len: usize,
@@ -120,13 +142,19 @@ pub(crate) fn fatal(args: core::fmt::Arguments<'_>) -> ! {
         bytes: [0; 512],
         len: 0,
     };
-    let _ = core::fmt::write(
-        &mut buf,
-        format_args!("bfc-alloc: fatal: {args}; aborting\n"),
-    );
-    // SAFETY: writing a valid buffer to fd 2 and aborting have no preconditions.
-    unsafe {
-        libc::write(2, buf.bytes.as_ptr().cast(), buf.len);
-        libc::abort()
-    }
+    let _ = core::fmt::write(&mut buf, format_args!("bfc-alloc: {prefix}{args}\n"));
+    // SAFETY: writing a valid buffer to fd 2 has no preconditions.
+    unsafe { libc::write(2, buf.bytes.as_ptr().cast(), buf.len) };
+}
+
+/// Writes a warning to standard error. Allocates nothing.
+pub(crate) fn warn(args: core::fmt::Arguments<'_>) {
+    write_stderr("warning: ", args);
+}
+
+/// Writes `msg` to standard error and aborts the process. Allocates nothing.
+pub(crate) fn fatal(args: core::fmt::Arguments<'_>) -> ! {
+    write_stderr("fatal: ", format_args!("{args}; aborting"));
+    // SAFETY: aborting has no preconditions.
+    unsafe { libc::abort() }
 }
