@@ -1117,6 +1117,9 @@ impl Heap {
                         .min((arena_size / ARENA_BYTES_PER_RECORD).max(MIN_RECORDS));
                     let meta = MetaLayout::new(arena_size, capacity, block, page);
                     if let Some(m) = os::reserve(meta.size) {
+                        // Metadata is touched sparsely, a page here and there: with transparent
+                        // huge pages on for every mapping, each touch would make 2 MiB resident.
+                        os::no_huge_pages(m, meta.size);
                         break (p, want, capacity, meta, m);
                     }
                     // SAFETY: the arena reservation was just made and is unused.
@@ -2431,6 +2434,40 @@ mod tests {
         let rc = unsafe { libc::mincore(p.cast(), len, v.as_mut_ptr()) };
         assert_eq!(rc, 0, "mincore");
         v.iter().filter(|&&b| b & 1 != 0).count()
+    }
+
+    /// The metadata reservation is marked "no huge pages" (`nh` in its smaps `VmFlags`): with
+    /// transparent huge pages on for every mapping, each of its sparse touches (a page of the
+    /// pointer map, of the chunk table, of the span table) would make 2 MiB resident.
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri has no /proc")]
+    fn metadata_is_not_backed_by_huge_pages() {
+        if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
+            std::println!("skipped: this kernel has no transparent huge pages");
+            return;
+        }
+        let a = small_instance();
+        assert!(a.arena_size() > 0);
+        let anchor = a.anchor.load(crate::sync::Ordering::Acquire) as usize;
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        let mut flags = None;
+        for line in smaps.lines() {
+            let range = line.split_once(' ').and_then(|(r, _)| r.split_once('-'));
+            if let Some((Ok(lo), Ok(hi))) =
+                range.map(|(lo, hi)| (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)))
+            {
+                inside = (lo..hi).contains(&anchor);
+            } else if let (true, Some(f)) = (inside, line.strip_prefix("VmFlags:")) {
+                flags = Some(String::from(f));
+                break;
+            }
+        }
+        let flags = flags.expect("no mapping holds the heap's anchor");
+        assert!(
+            flags.split_whitespace().any(|f| f == "nh"),
+            "VmFlags:{flags}"
+        );
     }
 
     #[test]

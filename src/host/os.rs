@@ -61,6 +61,18 @@ pub(crate) fn reserve(size: usize) -> Option<NonNull<u8>> {
     }
 }
 
+/// Asks the kernel not to back `ptr..ptr + size` with transparent huge pages (where it has them;
+/// a refusal changes nothing but the resident size).
+pub(crate) fn no_huge_pages(ptr: NonNull<u8>, size: usize) {
+    #[cfg(all(not(miri), any(target_os = "linux", target_os = "android")))]
+    // SAFETY: advice on a mapping of ours; MADV_NOHUGEPAGE changes no contents.
+    unsafe {
+        libc::madvise(ptr.as_ptr().cast(), size, libc::MADV_NOHUGEPAGE);
+    }
+    #[cfg(not(all(not(miri), any(target_os = "linux", target_os = "android"))))]
+    let _ = (ptr, size);
+}
+
 /// Unmaps a reservation.
 ///
 /// # Safety
