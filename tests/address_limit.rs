@@ -1,6 +1,8 @@
 //! The host heap under an address-space limit (`RLIMIT_AS`, `ulimit -v`): the arena and its
 //! metadata are sized to fit beside the rest of the process, and when even the smallest arena does
-//! not fit, a warning says why every allocation fails.
+//! not fit, a warning says why every allocation fails. Under a data limit (`RLIMIT_DATA`, which
+//! counts writable private memory, as strict overcommit does), only the memory the heap committed
+//! counts.
 //!
 //! No `#[global_allocator]` here (the system allocator serves the test harness), and each case runs
 //! in a fresh process (this binary, re-run with an environment variable) whose limit it lowers.
@@ -12,27 +14,35 @@ use bfc_alloc::GlobalBfc;
 
 const CASE_ENV: &str = "BFC_ADDRESS_LIMIT_CASE";
 
-/// The process's address space in use (`VmSize`), bytes.
-fn vm_size() -> usize {
+/// A `/proc/self/status` field in bytes (`VmSize`, `VmData`).
+fn status_bytes(field: &str) -> usize {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
     let kib: usize = status
         .lines()
-        .find_map(|l| l.strip_prefix("VmSize:"))
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap();
     kib << 10
 }
 
-/// Limits this process's address space to `extra` bytes more than it uses now; returns the limit.
-fn limit_address_space(extra: usize) -> usize {
-    let limit = vm_size() + extra;
+/// Sets `resource` to `extra` bytes more than `field` says the process uses now; returns the limit.
+/// (Also ends the process after a minute: a child must never hang its test.)
+fn limit(resource: libc::__rlimit_resource_t, field: &str, extra: usize) -> usize {
+    // SAFETY: `alarm` has no preconditions; SIGALRM's default action ends the process.
+    unsafe { libc::alarm(60) };
+    let limit = status_bytes(field) + extra;
     let r = libc::rlimit {
         rlim_cur: limit as libc::rlim_t,
         rlim_max: limit as libc::rlim_t,
     };
     // SAFETY: `r` is a valid `rlimit`.
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &r) }, 0);
+    assert_eq!(unsafe { libc::setrlimit(resource, &r) }, 0);
     limit
+}
+
+/// Limits this process's address space to `extra` bytes more than it uses now; returns the limit.
+fn limit_address_space(extra: usize) -> usize {
+    limit(libc::RLIMIT_AS, "VmSize", extra)
 }
 
 /// Runs `case` in a child process; returns whether it succeeded, and its standard error.
@@ -40,6 +50,8 @@ fn run_case(case: &str, test: &str) -> (bool, String) {
     let out = Command::new(std::env::current_exe().unwrap())
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
         .env(CASE_ENV, case)
+        // A failed assertion at the limit must not hang in a backtrace that cannot allocate.
+        .env("RUST_BACKTRACE", "0")
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
@@ -47,10 +59,12 @@ fn run_case(case: &str, test: &str) -> (bool, String) {
     (out.status.success(), format!("{stdout}\n{stderr}"))
 }
 
-/// With 1.5 GiB of address space left, the default configuration (a 64 GiB arena, a 1 GiB chunk
-/// table) still gets a heap: an arena of at most half the limit, with a table sized to it, and
-/// the process keeps room for other mappings and threads. (Before, the arena stopped halving at
-/// 1 GiB and the full 1 GiB table did not fit beside it: every allocation failed.)
+/// With 1.5 GiB of address space left under the limit, in a process that already maps 1 GiB more,
+/// the default configuration (a 64 GiB arena, a 1 GiB chunk table) still gets a heap: its arena
+/// and metadata take at most half of what was left, with a table sized to the arena, and the
+/// process keeps room for other mappings and threads. (Before, the arena stopped halving at 1 GiB
+/// and the full 1 GiB table did not fit beside it: every allocation failed. And a cap of half the
+/// limit, not of what is left, left too little room here.)
 #[test]
 fn a_limited_address_space_gets_a_smaller_arena() {
     if std::env::var_os(CASE_ENV).is_none() {
@@ -60,6 +74,19 @@ fn a_limited_address_space_gets_a_smaller_arena() {
         assert!(!out.contains("bfc-alloc: warning"), "{out}");
         return;
     }
+    // Address space the process maps already (as libraries, other allocators, thread stacks do).
+    // SAFETY: a fresh inaccessible reservation, never touched, kept to the end.
+    let used = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            1 << 30,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(used, libc::MAP_FAILED);
     let limit = limit_address_space(1536 << 20);
     let a = GlobalBfc::new();
     let big = Layout::from_size_align(64 << 20, 8).unwrap();
@@ -78,24 +105,26 @@ fn a_limited_address_space_gets_a_smaller_arena() {
         a.dealloc(p, big);
     }
     let arena = a.arena_size();
-    println!("arena of {} MiB", arena >> 20);
+    let left = limit - status_bytes("VmSize");
+    println!("arena of {} MiB, {} MiB left", arena >> 20, left >> 20);
     assert!(
-        (16 << 20..=limit / 2).contains(&arena),
-        "arena of {arena} bytes under a limit of {limit}"
+        (16 << 20..=768 << 20).contains(&arena),
+        "arena of {arena} bytes"
     );
-    // Room is left: a 256 MiB mapping and a thread (its stack is a mapping too).
+    assert!(left >= 768 << 20, "{left} bytes left");
+    // Room is left: a 512 MiB mapping and a thread (its stack is a mapping too).
     // SAFETY: a fresh anonymous mapping, unmapped right away.
     unsafe {
         let m = libc::mmap(
             std::ptr::null_mut(),
-            256 << 20,
+            512 << 20,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
             -1,
             0,
         );
         assert_ne!(m, libc::MAP_FAILED, "no room left beside the heap");
-        libc::munmap(m, 256 << 20);
+        libc::munmap(m, 512 << 20);
     }
     std::thread::spawn(|| ()).join().unwrap();
     a.check().unwrap();
@@ -124,4 +153,59 @@ fn no_room_for_the_smallest_arena_is_reported() {
         assert!(unsafe { a.alloc(l) }.is_null());
     }
     assert_eq!(a.arena_size(), 0);
+}
+
+/// Under a data limit 96 MiB above what the process uses, the default heap still reserves its full
+/// arena (reserved memory is not data until committed), and hands out about as much as the limit
+/// allows: then allocations return null, not a crash, and work again after frees. (Before the
+/// arena was committed on demand, the whole 64 GiB reservation counted as data, and the heap got
+/// only what halving fit under the limit.)
+#[test]
+fn a_data_limit_counts_committed_memory_only() {
+    if std::env::var_os(CASE_ENV).is_none() {
+        let (ok, out) = run_case("data", "a_data_limit_counts_committed_memory_only");
+        assert!(ok, "{out}");
+        assert!(out.contains("blocks of 1 MiB"), "{out}");
+        return;
+    }
+    limit(libc::RLIMIT_DATA, "VmData", 96 << 20);
+    let a = GlobalBfc::new();
+    let l = Layout::from_size_align(1 << 20, 8).unwrap();
+    let mut blocks = Vec::new();
+    // SAFETY: non-zero layouts; each block is written within its size and freed once with it.
+    unsafe {
+        loop {
+            let p = a.alloc(l);
+            if p.is_null() {
+                break;
+            }
+            p.write(1);
+            p.add((1 << 20) - 1).write(1);
+            blocks.push(p);
+            assert!(blocks.len() < 1000, "the data limit did not apply");
+        }
+        println!("{} blocks of 1 MiB", blocks.len());
+        assert!(
+            (32..=96).contains(&blocks.len()),
+            "{} blocks of 1 MiB under a 96 MiB data limit",
+            blocks.len()
+        );
+        assert!(a.arena_size() >= 1 << 30, "arena of {}", a.arena_size());
+        for p in blocks.drain(..) {
+            a.dealloc(p, l);
+        }
+        let small = Layout::from_size_align(100, 8).unwrap();
+        for _ in 0..10 {
+            let p = a.alloc(l);
+            assert!(!p.is_null(), "no memory after the frees");
+            let q = a.alloc(small);
+            assert!(!q.is_null());
+            a.dealloc(q, small);
+            blocks.push(p);
+        }
+        for p in blocks {
+            a.dealloc(p, l);
+        }
+    }
+    a.check().unwrap();
 }

@@ -609,6 +609,12 @@ fn child_entry() {
                 let mut x = 0u64;
                 let _ = realloc(&mut x as *mut u64 as *mut u8, l, 128);
             }
+            "uncommitted" => {
+                // Inside the arena (64 GiB from a start near `p`), far above the memory the heap
+                // has committed: its pointer-map entries are not accessible.
+                let far = p.wrapping_add(8 << 30);
+                dealloc(far, Layout::from_size_align(1 << 20, 8).unwrap());
+            }
             _ => panic!("unknown case"),
         }
     }
@@ -713,6 +719,13 @@ fn the_tail_of_a_span_is_no_block() {
 #[test]
 fn foreign_pointer_free_aborts() {
     assert_aborts("foreign", "does not own");
+}
+
+/// A pointer into the arena's reserved but never committed part is refused with the message, not
+/// a fault on the inaccessible metadata that describes it.
+#[test]
+fn a_free_far_above_the_used_arena_aborts_with_a_message() {
+    assert_aborts("uncommitted", "it is not currently allocated");
 }
 
 #[test]

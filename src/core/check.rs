@@ -204,10 +204,8 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
     ) -> Result<(), CheckError> {
         let shift = self.block_shift;
         let block = (c.ptr() - r.base) >> shift;
-        let entry = |b: usize| {
-            // SAFETY: callers pass blocks of chunks inside `r`, hence below `map_len`.
-            unsafe { *r.map.as_ptr().add(b) }
-        };
+        // (Callers pass blocks of chunks inside `r`, hence below `map_len`.)
+        let entry = |b: usize| r.entry(b);
         if block != *last_block {
             if entry(block) != Some(h) {
                 return fail(

@@ -170,6 +170,15 @@ impl Config {
     }
 }
 
+/// Why `take` (or the slow path) handed nothing out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Refusal {
+    /// Out of memory (reported with an [`OomReport`]).
+    Oom(OomCause),
+    /// The block would end past the caller's bound ([`AllocError::BeyondBound`]).
+    BeyondBound,
+}
+
 /// One region obtained from the source.
 #[derive(Clone, Copy)]
 struct Region {
@@ -195,6 +204,20 @@ impl Region {
     #[inline]
     fn contains(&self, addr: usize) -> bool {
         addr.wrapping_sub(self.base) < self.size
+    }
+
+    /// The map entry of `block` (below `map_len`). Entries from `map_used` on were never written,
+    /// so they are `None` without being read: a source may leave that part of the map uncommitted
+    /// (see [`MemorySource::alloc_map`]).
+    #[inline]
+    fn entry(&self, block: usize) -> Option<ChunkHandle> {
+        debug_assert!(block < self.map_len);
+        if block >= self.map_used {
+            return None;
+        }
+        // SAFETY: `block < map_used <= map_len`, and the map is valid for `map_len` entries until
+        // the region is freed.
+        unsafe { *self.map.as_ptr().add(block) }
     }
 }
 
@@ -351,6 +374,24 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
     )]
     #[inline]
     pub fn allocate_block(&mut self, size: usize, align: usize) -> Result<Allocated, AllocError> {
+        self.allocate_block_below(size, align, usize::MAX)
+    }
+
+    /// [`allocate_block`](Self::allocate_block), but only a block that ends at or below `bound`
+    /// (an address). When the chunk the engine picks would leave the block past it, nothing is
+    /// handed out and the error is [`AllocError::BeyondBound`]; the caller can make more memory
+    /// usable and try again. (The host heap passes the end of the arena memory it has committed.)
+    #[allow(
+        clippy::result_large_err,
+        reason = "the report is the point; the Ok path stays small"
+    )]
+    #[inline]
+    pub fn allocate_block_below(
+        &mut self,
+        size: usize,
+        align: usize,
+        bound: usize,
+    ) -> Result<Allocated, AllocError> {
         if !align.is_power_of_two() || align > MAX_ALIGN {
             return Err(AllocError::BadAlignment { align });
         }
@@ -368,7 +409,9 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
             let g = rounded >> self.granule_shift;
             if g <= self.quick_max_g {
                 if let Some(h) = self.quick_heads[g] {
-                    return Ok(self.quick_pop(h, g));
+                    if self.table.get(h).end() <= bound {
+                        return Ok(self.quick_pop(h, g));
+                    }
                 }
             }
         }
@@ -379,10 +422,13 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
                 .or_else(|| self.find_fit(needed))
         };
         let found = match fit {
-            Some(h) => self.take(h, rounded, align),
-            None => self.allocate_slow(rounded, align, needed),
+            Some(h) => self.take(h, rounded, align, bound),
+            None => self.allocate_slow(rounded, align, needed, bound),
         };
-        found.map_err(|cause| self.oom_error(size, needed, cause))
+        found.map_err(|e| match e {
+            Refusal::Oom(cause) => self.oom_error(size, needed, cause),
+            Refusal::BeyondBound => AllocError::BeyondBound { bound },
+        })
     }
 
     #[cold]
@@ -396,21 +442,22 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         rounded: usize,
         align: usize,
         needed: usize,
-    ) -> Result<Allocated, OomCause> {
+        bound: usize,
+    ) -> Result<Allocated, Refusal> {
         if self.cached_chunks > 0 {
             self.flush_quick_lists();
             if let Some(h) = self.find_fit(needed) {
-                return self.take(h, rounded, align);
+                return self.take(h, rounded, align, bound);
             }
         }
         let mut result = self.extend(needed, align);
         if result.is_err() && self.release_free_regions() > 0 {
             result = self.extend(needed, align);
         }
-        result?;
+        result.map_err(Refusal::Oom)?;
         match self.find_fit(needed) {
-            Some(h) => self.take(h, rounded, align),
-            None => Err(OomCause::SourceRefused),
+            Some(h) => self.take(h, rounded, align, bound),
+            None => Err(Refusal::Oom(OomCause::SourceRefused)),
         }
     }
 
@@ -713,6 +760,12 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         Allocated { ptr, size }
     }
 
+    /// Chunk records ever used: the prefix of the chunk table the engine has touched. One call
+    /// makes at most two more (a split for alignment padding and one for the remainder).
+    pub fn records_touched(&self) -> usize {
+        self.table.high_water()
+    }
+
     /// Size of the largest free chunk (scans the top non-empty bin).
     pub fn largest_free_block(&self) -> usize {
         let Some(b) = self.bins.last_non_empty() else {
@@ -811,18 +864,28 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         None
     }
 
-    /// Hands out (part of) free chunk `h` for a request of `rounded` bytes at `align`.
+    /// Hands out (part of) free chunk `h` for a request of `rounded` bytes at `align`, if the block
+    /// ends at or below `bound` (else nothing changes).
     #[inline]
     fn take(
         &mut self,
         mut h: ChunkHandle,
         rounded: usize,
         align: usize,
-    ) -> Result<Allocated, OomCause> {
+        bound: usize,
+    ) -> Result<Allocated, Refusal> {
         let c = *self.table.get(h);
+        let pad = align_up(c.ptr(), align) - c.ptr();
+        // What is left after the padding; the block keeps all of it when the rest is not worth
+        // splitting off.
+        let have = c.size() - pad;
+        let split = self.should_split(have, rounded);
+        let end = c.ptr() + pad + if split { rounded } else { have };
+        if end > bound {
+            return Err(Refusal::BeyondBound);
+        }
         self.bins
             .remove(&mut self.table, h, c.size() >> self.granule_shift);
-        let pad = align_up(c.ptr(), align) - c.ptr();
         if pad != 0 {
             // The front padding stays free. Its predecessor is in use (`h` was free), so no merge.
             match self.split(h, pad) {
@@ -831,11 +894,10 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
                         .insert(&mut self.table, h, pad >> self.granule_shift);
                     h = n;
                 }
-                None => return Err(self.table_full(h)),
+                None => return Err(Refusal::Oom(self.table_full(h))),
             }
         }
-        let have = self.table.get(h).size();
-        if self.should_split(have, rounded) {
+        if split {
             // The successor of the tail is in use or absent (`h` was free), so no merge. On a full
             // table fail rather than hand out a possibly huge chunk for a small request.
             match self.split(h, rounded) {
@@ -843,7 +905,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
                     self.bins
                         .insert(&mut self.table, t, (have - rounded) >> self.granule_shift)
                 }
-                None => return Err(self.table_full(h)),
+                None => return Err(Refusal::Oom(self.table_full(h))),
             }
         }
         let c = self.table.get_mut(h);
@@ -1010,8 +1072,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
     fn lookup_in_use(&self, ptr: usize) -> Result<ChunkHandle, FreeError> {
         let ri = self.region_of(ptr).ok_or(FreeError::NotOwned { ptr })?;
         let r = &self.regions[ri];
-        // SAFETY: a valid map entry (see `map_slot`).
-        let mut cur = unsafe { *self.map_slot(r, ptr) };
+        let mut cur = r.entry((ptr - r.base) >> self.block_shift);
         if cur.is_none() {
             return Err(self.classify_bad_pointer(r, ptr));
         }
@@ -1040,12 +1101,11 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
     /// `ptr` is in region `r` but no chunk starts in its map block: find the chunk that covers it.
     #[cold]
     fn classify_bad_pointer(&self, r: &Region, ptr: usize) -> FreeError {
-        let mut block = (ptr - r.base) >> self.block_shift;
+        // (Blocks from `map_used` on hold no chunk start.)
+        let mut block = ((ptr - r.base) >> self.block_shift).min(r.map_used);
         while block > 0 {
             block -= 1;
-            // SAFETY: `block` is below the block of `ptr`, hence below `map_len`; the map is valid.
-            let entry = unsafe { *r.map.as_ptr().add(block) };
-            if let Some(mut h) = entry {
+            if let Some(mut h) = r.entry(block) {
                 loop {
                     let c = *self.table.get(h);
                     if c.end() > ptr {

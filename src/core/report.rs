@@ -195,6 +195,12 @@ pub enum AllocError {
         /// The requested size.
         size: usize,
     },
+    /// The block the engine picked would end past the caller's bound
+    /// ([`Bfc::allocate_block_below`](super::Bfc::allocate_block_below)); nothing was handed out.
+    BeyondBound {
+        /// The bound.
+        bound: usize,
+    },
 }
 
 impl fmt::Display for AllocError {
@@ -203,6 +209,9 @@ impl fmt::Display for AllocError {
             AllocError::OutOfMemory(r) => r.fmt(f),
             AllocError::BadAlignment { align } => write!(f, "unsupported alignment {align}"),
             AllocError::TooLarge { size } => write!(f, "size {size} is too large"),
+            AllocError::BeyondBound { bound } => {
+                write!(f, "the block would end past the bound {bound:#x}")
+            }
         }
     }
 }

@@ -35,6 +35,12 @@ pub unsafe trait MemorySource {
 
     /// Returns zero-filled storage for the pointer map of the region at `region_base` (`entries`
     /// values), or `None`.
+    ///
+    /// The map has one entry per block of the region, and the engine reads or writes the entry of a
+    /// block only once a chunk has started in that block or an earlier one (the region's first
+    /// chunk, or one made by a split): every entry past the highest block where a chunk started is
+    /// left alone. So a source that knows how far chunks can start (the host arena: below its
+    /// committed memory) may commit the map's storage lazily, in step with that.
     fn alloc_map(
         &mut self,
         region_base: usize,

@@ -753,3 +753,56 @@ fn the_checker_sees_a_chunk_in_another_sizes_quick_list() {
     b.quick_len[3] = 0;
     assert!(b.check().is_err());
 }
+
+/// A bounded allocation takes a chunk only if the block ends at or below the bound: the quick
+/// lists, the best fit, the aligned fit and an unsplit rest all count. A refusal changes nothing,
+/// and a higher bound then gives the block the unbounded call would have given.
+#[test]
+fn a_bounded_allocation_never_ends_past_its_bound() {
+    let mut cfg = Config::host(1 << 30);
+    cfg.quick_depth = 4;
+    // A rest under 64 bytes is not split off (the host's 16 splits every rest).
+    cfg.max_internal_fragmentation = 64;
+    let mut b = engine(cfg);
+    let beyond =
+        |r: Result<Allocated, AllocError>| matches!(r, Err(AllocError::BeyondBound { .. }));
+    // The first block comes from the one free chunk, at the region's start.
+    let a = alloc(&mut b, 4096, 16);
+    assert_eq!(a, BASE);
+    let before = b.stats();
+    assert!(beyond(b.allocate_block_below(100, 16, BASE + 4096 + 99)));
+    assert!(beyond(b.allocate_block_below(100, 8192, BASE + 8192 + 99)));
+    checked(&b);
+    assert_eq!(b.stats(), before, "a refusal changed the engine");
+    let got = b
+        .allocate_block_below(100, 8192, BASE + 8192 + 112)
+        .unwrap();
+    assert_eq!((got.ptr, got.size), (BASE + 8192, 112));
+    checked(&b);
+    // A free chunk below the bound is taken while the top is out of reach.
+    let c = alloc(&mut b, 2000, 16);
+    let d = alloc(&mut b, 64, 16);
+    free(&mut b, c);
+    let got = b.allocate_block_below(1500, 16, BASE + 8192 + 112).unwrap();
+    assert_eq!(got.ptr, c, "the hole below the bound");
+    checked(&b);
+    // A cached (quick-list) chunk past the bound is left alone, one within it is used.
+    let _ = d;
+    let mut b = engine(cfg);
+    let d = alloc(&mut b, 64, 16);
+    let _g = alloc(&mut b, 64, 16);
+    free(&mut b, d);
+    assert_eq!(b.stats().num_cached_chunks, 1);
+    assert!(beyond(b.allocate_block_below(64, 16, d + 63)));
+    assert_eq!(b.stats().num_cached_chunks, 1);
+    assert_eq!(b.allocate_block_below(64, 16, d + 64).unwrap().ptr, d);
+    checked(&b);
+    // A rest not worth splitting off stays with the block, and counts against the bound.
+    let e = alloc(&mut b, 1040, 16);
+    let _f = alloc(&mut b, 2000, 16);
+    free(&mut b, e);
+    assert!(beyond(b.allocate_block_below(1024, 16, e + 1024)));
+    let got = b.allocate_block_below(1024, 16, e + 1040).unwrap();
+    assert_eq!((got.ptr, got.size), (e, 1040));
+    checked(&b);
+}

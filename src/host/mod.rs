@@ -1,18 +1,23 @@
 //! The host allocator: the BFC engine behind a spinlock over one reserved `mmap` arena.
 //!
-//! On first use [`GlobalBfc`] reserves [`HostConfig::arena_size`] bytes of address space with
-//! `MAP_NORESERVE`, plus a separate reservation for metadata: the pointer map (4 bytes per 512
-//! arena bytes), the chunk table ([`HostConfig::chunk_capacity`] records of 32 bytes, at most one
-//! per 256 arena bytes), and the slab layer's span table and span sets (under 1% of the arena). If
-//! the kernel refuses either, both are tried again with half the arena, down to
-//! [`HostConfig::min_arena_size`]; below that, a warning goes to standard error and every
-//! allocation fails. Under an address-space limit (`RLIMIT_AS`, `ulimit -v`) the first try is at
-//! most half the limit, so the rest of the process (thread stacks, libraries) keeps room; the
-//! arena does not grow later. (With `vm.overcommit_memory = 2` the kernel charges the whole
-//! reservation as committed memory, `MAP_NORESERVE` or not, so the arena is sized down to what the
-//! commit limit allows.) Nothing is committed up front: pages are backed when first
-//! touched, so the resident cost follows the bytes and chunks actually used. Initialisation
-//! allocates nothing.
+//! On first use [`GlobalBfc`] reserves [`HostConfig::arena_size`] bytes of address space, plus a
+//! separate reservation for metadata: the pointer map (4 bytes per 512 arena bytes), the chunk table
+//! ([`HostConfig::chunk_capacity`] records of 32 bytes, at most one per 256 arena bytes), and the
+//! slab layer's span table and span sets (under 1% of the arena). If the kernel refuses either,
+//! both are tried again with half the arena, down to [`HostConfig::min_arena_size`]; below that, a
+//! warning goes to standard error and every allocation fails. Under an address-space limit
+//! (`RLIMIT_AS`, `ulimit -v`) the two reservations take at most half of the address space still
+//! free, so the rest of the process (thread stacks, libraries) keeps room; the arena does not grow
+//! later.
+//!
+//! Reserved memory is inaccessible (`PROT_NONE`) until the heap reaches it: the arena is committed
+//! (made readable and writable) from its start in 2 MiB steps as blocks are handed out higher up,
+//! and the pointer map, span table and chunk table in step with what they describe. So strict
+//! overcommit (`vm.overcommit_memory = 2`) charges, and `RLIMIT_DATA` counts, the memory the heap
+//! has reached, not the 64 GiB it reserved; when the kernel refuses a commit, the allocation
+//! returns null. Committed memory stays committed (freed blocks are reused); its pages still go
+//! back to the kernel as described below, and only pages that are touched become resident.
+//! Initialisation allocates nothing.
 //!
 //! The whole arena is the engine's single region, so any two neighbouring free blocks coalesce.
 //!
@@ -99,7 +104,8 @@ use core::alloc::{GlobalAlloc, Layout};
 use core::ptr::{self, NonNull};
 
 use crate::core::{
-    Bfc, CheckError, Chunk, ChunkHandle, Config, FreeError, Freed, MemorySource, Resize, Stats,
+    AllocError, Allocated, Bfc, CheckError, Chunk, ChunkHandle, Config, FreeError, Freed,
+    MemorySource, Resize, Stats,
 };
 use crate::lock::SpinLock;
 use small::{SmallFree, SmallHeap, SPAN};
@@ -171,7 +177,54 @@ impl Default for HostConfig {
 /// Largest alignment of the arena base (and so of any region-aligned request).
 const ARENA_ALIGN: usize = 2 << 20;
 
+/// Arena commit step: the arena is made accessible (and, under strict overcommit, charged) this
+/// much at a time, as the heap's highest handed-out byte approaches the committed end.
+const COMMIT_STEP: usize = 2 << 20;
+
+/// Chunk-table commit step, in bytes (2,048 records).
+const TABLE_STEP: usize = 64 << 10;
+
+/// Chunk records kept committed beyond the touched ones before an engine call: a call makes at most
+/// two (see `Bfc::records_touched`).
+const RECORD_SLACK: usize = 4;
+
+/// A part of a reservation made accessible from its start on demand (see `os::commit`): its first
+/// `done` bytes are readable and writable, the rest not yet. It only grows.
+#[derive(Clone, Copy)]
+struct Prefix {
+    at: usize,
+    /// Bytes of the part (a multiple of the page size).
+    len: usize,
+    done: usize,
+}
+
+impl Prefix {
+    /// Commits the part up to at least `bytes` (capped at its length), `step` (a multiple of the
+    /// page size) at a time. `false` if the kernel refuses; nothing changes then.
+    #[inline]
+    fn cover(&mut self, bytes: usize, step: usize) -> bool {
+        let bytes = bytes.min(self.len);
+        if bytes <= self.done {
+            return true;
+        }
+        let to = bytes.next_multiple_of(step).min(self.len);
+        // SAFETY: `done` and `to` are multiples of the page size (steps and `len` are) within the
+        // part, which lies in a reservation made by `os::reserve_uncommitted`.
+        if !unsafe { os::commit(self.at + self.done, to - self.done) } {
+            return false;
+        }
+        self.done = to;
+        true
+    }
+}
+
 /// The memory source over the arena: hands out the whole arena as one region.
+///
+/// Both reservations start inaccessible (`os::reserve_uncommitted`), except the parts of the
+/// metadata reservation sized by the arena alone (span classes and sets, transfer cache, anchor).
+/// The arena, the pointer map, the span table and the chunk table are committed from their starts
+/// as the heap reaches further ([`HostSource::commit_arena`], [`HostSource::commit_records`]), so a
+/// heap is charged for what it uses, not for the 64 GiB it reserves.
 struct HostSource {
     /// Start of the arena (aligned to [`ARENA_ALIGN`]).
     arena: usize,
@@ -188,10 +241,60 @@ struct HostSource {
     /// Whether the arena is currently the engine's region.
     region_out: bool,
     page: usize,
+    /// Arena bytes per map entry.
+    map_block: usize,
+    /// Committed prefixes: of the arena, the map, the chunk table and the span table.
+    arena_commit: Prefix,
+    map_commit: Prefix,
+    table_commit: Prefix,
+    spans_commit: Prefix,
+}
+
+impl HostSource {
+    /// Commits the arena below `end` (an address; capped at the arena's end) with the map and
+    /// span-table entries that describe it. `false` if the kernel refuses (the heap then hands
+    /// nothing out above what is committed).
+    #[inline]
+    fn commit_arena(&mut self, end: usize) -> bool {
+        let bytes = end.saturating_sub(self.arena);
+        bytes <= self.arena_commit.done || self.commit_arena_slow(bytes)
+    }
+
+    #[cold]
+    fn commit_arena_slow(&mut self, bytes: usize) -> bool {
+        let to = bytes.next_multiple_of(COMMIT_STEP).min(self.arena_size);
+        // A chunk may start at `to` itself (the free rest of a block that ends there), so its map
+        // entry and span entry are committed too. Metadata first: a refusal then leaves the arena
+        // as it was.
+        let map_bytes = (to / self.map_block + 1) * core::mem::size_of::<Option<ChunkHandle>>();
+        let spans_bytes = ((to >> small::SPAN_SHIFT) + 1) * SmallHeap::ENTRY;
+        let page = self.page;
+        self.map_commit.cover(map_bytes, page)
+            && self.spans_commit.cover(spans_bytes, page)
+            && self.arena_commit.cover(to, COMMIT_STEP)
+    }
+
+    /// The committed end of the arena (an address).
+    #[inline]
+    fn committed_end(&self) -> usize {
+        self.arena + self.arena_commit.done
+    }
+
+    /// Commits the chunk table's first `records` records.
+    #[inline]
+    fn commit_records(&mut self, records: usize) -> bool {
+        self.table_commit.cover(
+            records.saturating_mul(core::mem::size_of::<Chunk>()),
+            TABLE_STEP,
+        )
+    }
 }
 
 // SAFETY: the arena and its map are one reservation each that only this source hands out: the region
-// once (until freed), the map once (zeroed by `discard` when freed). No method calls an allocator.
+// once (until freed), the map once (zeroed by `discard` when freed). The map is committed for every
+// block below the committed end of the arena and one more; chunks start only there (the heap
+// commits past every block it lets the engine hand out, see `Heap::prepare`), so every entry the
+// engine touches is writable (see `MemorySource::alloc_map`). No method calls an allocator.
 unsafe impl MemorySource for HostSource {
     fn alloc_region(&mut self, size: usize, align: usize) -> Option<usize> {
         if self.region_out || size > self.arena_size || align > ARENA_ALIGN {
@@ -223,18 +326,23 @@ unsafe impl MemorySource for HostSource {
         map: NonNull<Option<ChunkHandle>>,
         entries: usize,
     ) {
-        let bytes = entries * core::mem::size_of::<Option<ChunkHandle>>();
-        // SAFETY: the map starts the metadata reservation (page-aligned); zeroing its pages makes it
-        // ready for the next `alloc_map`. The engine no longer uses it.
+        let bytes =
+            (entries * core::mem::size_of::<Option<ChunkHandle>>()).min(self.map_commit.done);
+        // SAFETY: the map starts the metadata reservation (page-aligned), and its first
+        // `map_commit.done` bytes are accessible (the rest was never written, so it reads as zero
+        // once committed); zeroing them makes the map ready for the next `alloc_map`. The engine no
+        // longer uses it.
         unsafe { os::discard_or_zero(map.as_ptr() as usize, bytes.next_multiple_of(self.page)) };
     }
 }
 
 /// Arena bytes per chunk record at most reserved: the chunk table holds
-/// `min(chunk_capacity, arena_size / ARENA_BYTES_PER_RECORD)` records. Engine blocks are larger
-/// than 4 KiB, spans 64 KiB, and a free chunk lies between two others, so a smaller arena (one
-/// sized down under an address-space limit) does not need the default table's 1 GiB of address
-/// space.
+/// `min(chunk_capacity, arena_size / ARENA_BYTES_PER_RECORD)` records, so a smaller arena (one
+/// sized down under an address-space limit) does not reserve the default table's 1 GiB. Engine
+/// blocks are larger than 4 KiB or aligned to more than 4 KiB (so they have a free chunk of
+/// padding, or a neighbour, at least that large), spans are 64 KiB, two free chunks are never
+/// neighbours, and quick lists hold at most a few hundred chunks: a table of one record per 256
+/// bytes runs out long after the arena does. (When it does run out, allocations return null.)
 const ARENA_BYTES_PER_RECORD: usize = 256;
 
 /// Fewest records a table gets (`HostConfig::validate`'s minimum).
@@ -332,6 +440,10 @@ struct Heap {
     /// Every byte ever handed out lies below this address (the arena above it was never touched, or
     /// its pages were returned).
     brk: usize,
+    /// The end of the highest block ever handed out (a span counts as one): `brk` before any page
+    /// went back. Every chunk start lies at or below it, and the free chunk above it was never
+    /// handed out.
+    high: usize,
     page: usize,
 }
 
@@ -1090,43 +1202,59 @@ impl Heap {
         let page = os::page_size();
         let engine_config = Config::host(0);
         let block = config.granule * engine_config.map_block_granules;
-        // Under an address-space limit (`RLIMIT_AS`), leave half of it to the rest of the process
-        // (thread stacks, libraries, file mappings), but try at least the configured minimum.
-        let mut arena_size = config
-            .arena_size
-            .min(os::address_space_limit() / 2)
-            .max(config.min_arena_size)
-            & !(ARENA_ALIGN - 1);
+        // Under an address-space limit (`RLIMIT_AS`), the heap's reservations take at most half of
+        // the address space still free, so the rest of the process (thread stacks, libraries,
+        // file mappings) keeps room; the smallest arena allowed is tried in any case.
+        let budget = os::address_space_left() / 2;
+        let mut arena_size = config.arena_size & !(ARENA_ALIGN - 1);
         // Both reservations or neither: when the metadata does not fit beside an arena, a smaller
         // arena (with a smaller map and table) is tried.
         let (arena_mapping, arena_mapping_size, capacity, meta, meta_mapping) = loop {
-            if arena_size < config.min_arena_size & !(ARENA_ALIGN - 1) {
-                os::warn(format_args!(
-                    "cannot reserve a heap arena of {} MiB or more of address space (an \
-                     address-space limit, `ulimit -v`?); every allocation from this allocator \
-                     fails",
-                    config.min_arena_size >> 20
-                ));
-                return None;
-            }
+            let capacity = config
+                .chunk_capacity
+                .min((arena_size / ARENA_BYTES_PER_RECORD).max(MIN_RECORDS));
+            let meta = MetaLayout::new(arena_size, capacity, block, page);
+            let half = arena_size / 2;
+            let last = half < config.min_arena_size;
             // (A size near `usize::MAX` cannot be reserved either: halve it like a refusal.)
-            if let Some(want) = arena_size.checked_add(ARENA_ALIGN) {
-                if let Some(p) = os::reserve(want) {
-                    let capacity = config
-                        .chunk_capacity
-                        .min((arena_size / ARENA_BYTES_PER_RECORD).max(MIN_RECORDS));
-                    let meta = MetaLayout::new(arena_size, capacity, block, page);
-                    if let Some(m) = os::reserve(meta.size) {
+            let want = arena_size.checked_add(ARENA_ALIGN);
+            let within = want
+                .and_then(|w| w.checked_add(meta.size))
+                .is_some_and(|total| total <= budget);
+            if let (Some(want), true) = (want, within || last) {
+                if let Some(p) = os::reserve_uncommitted(want) {
+                    if let Some(m) = os::reserve_uncommitted(meta.size) {
                         // Metadata is touched sparsely, a page here and there: with transparent
                         // huge pages on for every mapping, each touch would make 2 MiB resident.
                         os::no_huge_pages(m, meta.size);
-                        break (p, want, capacity, meta, m);
+                        let fixed = m.as_ptr() as usize + meta.classes_at;
+                        // The parts sized by the arena alone, committed whole: the span classes
+                        // (read by thread caches without the lock), the span sets, the transfer
+                        // cache and the anchor.
+                        // SAFETY: `classes_at..size` is page-aligned, inside the fresh reservation.
+                        if unsafe { os::commit(fixed, meta.size - meta.classes_at) } {
+                            break (p, want, capacity, meta, m);
+                        }
+                        // SAFETY: the metadata reservation was just made and is unused.
+                        unsafe { os::unreserve(m, meta.size) };
                     }
                     // SAFETY: the arena reservation was just made and is unused.
                     unsafe { os::unreserve(p, want) };
                 }
             }
-            arena_size = (arena_size / 2) & !(ARENA_ALIGN - 1);
+            if last {
+                os::warn(format_args!(
+                    "cannot reserve a heap arena of {} MiB or more (the kernel refused the \
+                     address space or its first pages: an address-space or commit limit?); every \
+                     allocation from this allocator fails",
+                    config.min_arena_size >> 20
+                ));
+                return None;
+            }
+            // Never below `min_arena_size`: rounded up to `ARENA_ALIGN`, the half stays below the
+            // size just tried (a multiple of `ARENA_ALIGN` of at least twice the minimum), so the
+            // loop ends.
+            arena_size = half.next_multiple_of(ARENA_ALIGN);
         };
         let arena = (arena_mapping.as_ptr() as usize).next_multiple_of(ARENA_ALIGN);
         let MetaLayout {
@@ -1189,7 +1317,8 @@ impl Heap {
         };
         #[cfg(not(feature = "std"))]
         let _ = transfer_at;
-        let source = HostSource {
+        let meta_base = meta_mapping.as_ptr() as usize;
+        let mut source = HostSource {
             arena,
             arena_size,
             arena_mapping,
@@ -1200,7 +1329,41 @@ impl Heap {
             meta_mapping_size,
             region_out: false,
             page,
+            map_block: block,
+            arena_commit: Prefix {
+                at: arena,
+                len: arena_size,
+                done: 0,
+            },
+            map_commit: Prefix {
+                at: meta_base,
+                len: table_at,
+                done: 0,
+            },
+            table_commit: Prefix {
+                at: meta_base + table_at,
+                len: spans_at - table_at,
+                done: 0,
+            },
+            spans_commit: Prefix {
+                at: meta_base + spans_at,
+                len: classes_at - spans_at,
+                done: 0,
+            },
         };
+        // The engine's first region writes a record and the first map entry.
+        if !(source.commit_records(RECORD_SLACK) && source.commit_arena(arena + 1)) {
+            os::warn(format_args!(
+                "cannot commit the heap's first pages (a commit limit?); every allocation from \
+                 this allocator fails"
+            ));
+            // SAFETY: both reservations were just made; nothing in them is used.
+            unsafe {
+                os::unreserve(arena_mapping, arena_mapping_size);
+                os::unreserve(meta_mapping, meta_mapping_size);
+            }
+            return None;
+        }
         let engine_config = Config {
             granule: config.granule,
             memory_limit: arena_size,
@@ -1240,6 +1403,7 @@ impl Heap {
             transfer: tcache::Transfer::new(transfer),
             arena_end: arena + arena_size,
             brk: arena,
+            high: arena,
             page,
         };
         let id = heap.id();
@@ -1272,7 +1436,36 @@ impl Heap {
     /// Notes that `ptr..ptr + size` was handed out.
     #[inline]
     fn note_allocated(&mut self, ptr: usize, size: usize) {
-        self.brk = self.brk.max(ptr + size);
+        let end = ptr + size;
+        if end > self.bfc.source().committed_end() {
+            // Blocks are asked for below the committed end, and a resize commits its new end
+            // first; reaching this is a bug, and the caller's first write would fault.
+            os::fatal(format_args!(
+                "block {ptr:#x}..{end:#x} beyond the committed arena"
+            ));
+        }
+        self.brk = self.brk.max(end);
+        self.high = self.high.max(end);
+    }
+
+    /// Commits room for the chunk records an engine call may make. `false` if the kernel refuses;
+    /// then the call must not be made.
+    #[inline]
+    fn prepare_records(&mut self) -> bool {
+        let records = self.bfc.records_touched() + RECORD_SLACK;
+        self.bfc.source_mut().commit_records(records)
+    }
+
+    /// The end of any block the engine can hand out for `size` bytes on a grid of `grid` bytes: in
+    /// a free chunk below `high` (committed already), or in the free chunk above it, which starts
+    /// at or below `high`, after padding to the grid and rounding (at most two granules with the
+    /// split threshold).
+    #[inline]
+    fn reach(&self, size: usize, grid: usize) -> usize {
+        self.high
+            .saturating_add(grid)
+            .saturating_add(size)
+            .saturating_add(2 * self.bfc.config().granule)
     }
 
     /// Bytes handed out to callers now.
@@ -1305,20 +1498,48 @@ impl Heap {
         } else {
             align
         };
-        let mut found = self.bfc.allocate_block(size, grid);
-        if found.is_err() && grid != align {
+        let mut found = self.engine_block(size, grid);
+        if found.is_none() && grid != align {
             // The grid is a preference: near the arena's limit the padding it needs may not fit.
-            found = self.bfc.allocate_block(size, align);
+            found = self.engine_block(size, align);
         }
         match found {
-            Ok(b) => {
+            Some(b) => {
                 // All of the block: its caller may write up to `usable_size`.
                 self.note_allocated(b.ptr, b.size);
                 self.note_peak(size);
                 b.ptr as *mut u8
             }
-            Err(_) => ptr::null_mut(),
+            None => ptr::null_mut(),
         }
+    }
+
+    /// An engine block of `size` bytes on a grid of `grid` bytes inside the committed arena. When
+    /// the engine's pick lies past the committed end, commits as far as any block for the request
+    /// can reach and asks again (still bounded: a block is never handed out past the committed
+    /// memory). `None` when out of memory or the kernel refuses the commit.
+    #[inline]
+    fn engine_block(&mut self, size: usize, grid: usize) -> Option<Allocated> {
+        if !self.prepare_records() {
+            return None;
+        }
+        let bound = self.bfc.source().committed_end();
+        match self.bfc.allocate_block_below(size, grid, bound) {
+            Ok(b) => Some(b),
+            Err(AllocError::BeyondBound { .. }) => self.engine_block_beyond(size, grid),
+            Err(_) => None,
+        }
+    }
+
+    /// [`Heap::engine_block`] when the engine's pick lies past the committed end.
+    #[cold]
+    fn engine_block_beyond(&mut self, size: usize, grid: usize) -> Option<Allocated> {
+        let reach = self.reach(size, grid);
+        if !self.bfc.source_mut().commit_arena(reach) {
+            return None;
+        }
+        let bound = self.bfc.source().committed_end();
+        self.bfc.allocate_block_below(size, grid, bound).ok()
     }
 
     /// Gives class `c`, whose spans are all full, a new span from the engine and allocates.
@@ -1334,10 +1555,13 @@ impl Heap {
     /// memory.
     #[cold]
     fn small_new_span(&mut self, c: usize) -> bool {
-        let Ok(base) = self.bfc.allocate(SPAN, SPAN) else {
+        let Some(b) = self.engine_block(SPAN, SPAN) else {
             return false;
         };
+        let base = b.ptr;
         self.note_allocated(base, SPAN);
+        // (The chunk may be a granule longer than the span, when not worth splitting.)
+        self.high = self.high.max(base + b.size);
         self.span_allocs += 1;
         self.small.add_span(c, base);
         true
@@ -1558,6 +1782,14 @@ impl Heap {
                 }
             }
             Err(e) => small_error(p, e, "realloc: "),
+        }
+        // Growing in place may take (part of) the free chunk after the block, up to the new size
+        // and a granule of unsplit rest; shrinking makes a record.
+        let end = p
+            .saturating_add(new_size)
+            .saturating_add(2 * self.bfc.config().granule);
+        if !(self.prepare_records() && self.bfc.source_mut().commit_arena(end)) {
+            return ptr::null_mut();
         }
         match self.bfc.resize_in_place(p, new_size) {
             Ok(Resize::Done { freed, size }) => {
@@ -2434,6 +2666,81 @@ mod tests {
         let rc = unsafe { libc::mincore(p.cast(), len, v.as_mut_ptr()) };
         assert_eq!(rc, 0, "mincore");
         v.iter().filter(|&&b| b & 1 != 0).count()
+    }
+
+    /// Bytes of `lo..hi` in readable and writable mappings (`/proc/self/maps`).
+    fn accessible_bytes(lo: usize, hi: usize) -> usize {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        maps.lines()
+            .filter_map(|line| {
+                let mut f = line.split_whitespace();
+                let (a, b) = f.next()?.split_once('-')?;
+                let rw = f.next()?.starts_with("rw");
+                let (a, b) = (
+                    usize::from_str_radix(a, 16).ok()?,
+                    usize::from_str_radix(b, 16).ok()?,
+                );
+                rw.then(|| b.min(hi).saturating_sub(a.max(lo)))
+            })
+            .sum()
+    }
+
+    /// Only what the heap reached is accessible: the arena's committed prefix follows its highest
+    /// block in 2 MiB steps, and so do the pointer map, the span table and the chunk table; the
+    /// rest of each reservation stays `PROT_NONE` (no commit charge under strict overcommit, not
+    /// counted by `RLIMIT_DATA`). A freed block keeps its memory committed for reuse.
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri has no mprotect")]
+    fn only_what_the_heap_reached_is_committed() {
+        let a = GlobalBfc::with_config(HostConfig {
+            arena_size: 1 << 30,
+            min_arena_size: 1 << 30,
+            ..HostConfig::DEFAULT
+        });
+        let parts = |a: &GlobalBfc| {
+            a.with_heap(|h| {
+                let s = h.bfc.source();
+                (
+                    s.arena_commit,
+                    [s.map_commit, s.table_commit, s.spans_commit],
+                )
+            })
+            .unwrap()
+        };
+        let agree = |a: &GlobalBfc| {
+            let (arena, meta) = parts(a);
+            for p in core::iter::once(arena).chain(meta) {
+                assert!(p.done < p.len, "a whole part is committed");
+                assert_eq!(accessible_bytes(p.at, p.at + p.len), p.done);
+            }
+            arena.done
+        };
+        let l = Layout::from_size_align(3 << 20, 8).unwrap();
+        let small = Layout::from_size_align(100, 8).unwrap();
+        // SAFETY: non-zero layouts; each block is freed once with its layout.
+        unsafe {
+            let p = a.alloc(l);
+            let q = a.alloc(small);
+            assert!(!p.is_null() && !q.is_null());
+            let done = agree(&a);
+            assert!((3 << 20..=8 << 20).contains(&done), "committed {done}");
+            let big = Layout::from_size_align(100 << 20, 8).unwrap();
+            let r = a.alloc(big);
+            assert!(!r.is_null());
+            r.add((100 << 20) - 1).write(1);
+            let done = agree(&a);
+            assert!((103 << 20..=110 << 20).contains(&done), "committed {done}");
+            a.dealloc(r, big);
+            assert_eq!(agree(&a), done, "a free gave up the commit");
+            // A block within the committed memory needs no more.
+            let r = a.alloc(Layout::from_size_align(50 << 20, 8).unwrap());
+            assert!(r as usize + (50 << 20) <= parts(&a).0.at + done);
+            assert_eq!(agree(&a), done);
+            a.dealloc(r, Layout::from_size_align(50 << 20, 8).unwrap());
+            a.dealloc(p, l);
+            a.dealloc(q, small);
+        }
+        a.check().unwrap();
     }
 
     /// The metadata reservation is marked "no huge pages" (`nh` in its smaps `VmFlags`): with

@@ -34,6 +34,48 @@ pub(crate) fn address_space_limit() -> usize {
     }
 }
 
+/// Address space the process may still map under its `RLIMIT_AS`: the limit less what it maps now
+/// (`/proc/self/statm`, read without allocating). `usize::MAX` if there is no limit.
+pub(crate) fn address_space_left() -> usize {
+    let limit = address_space_limit();
+    if limit == usize::MAX {
+        return limit;
+    }
+    limit.saturating_sub(address_space_used().unwrap_or(0))
+}
+
+/// Bytes the process maps now (the first field of `/proc/self/statm`, in pages).
+fn address_space_used() -> Option<usize> {
+    #[cfg(miri)]
+    return None;
+    #[cfg(not(miri))]
+    {
+        let mut buf = [0u8; 64];
+        // SAFETY: a NUL-terminated path; the descriptor is closed below.
+        let fd = unsafe {
+            libc::open(
+                c"/proc/self/statm".as_ptr(),
+                libc::O_RDONLY | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: `buf` is valid for `buf.len()` bytes; `fd` is open.
+        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        // SAFETY: `fd` is ours, closed once.
+        unsafe { libc::close(fd) };
+        let digits = buf.get(..usize::try_from(n).ok()?)?;
+        let pages = digits
+            .iter()
+            .take_while(|b| b.is_ascii_digit())
+            .try_fold(0usize, |v, &b| {
+                v.checked_mul(10)?.checked_add((b - b'0') as usize)
+            })?;
+        pages.checked_mul(page_size())
+    }
+}
+
 /// Reserves `size` bytes of zero-filled, read-write address space without committing memory
 /// (`MAP_NORESERVE`; pages are backed on first touch). `None` if the kernel refuses.
 pub(crate) fn reserve(size: usize) -> Option<NonNull<u8>> {
@@ -71,6 +113,54 @@ pub(crate) fn no_huge_pages(ptr: NonNull<u8>, size: usize) {
     }
     #[cfg(not(all(not(miri), any(target_os = "linux", target_os = "android"))))]
     let _ = (ptr, size);
+}
+
+/// Reserves `size` bytes of address space that cannot be accessed until [`commit`]ted
+/// (`PROT_NONE`: neither the commit charge of `vm.overcommit_memory = 2` nor `RLIMIT_DATA` counts
+/// it). `None` if the kernel refuses. (Under Miri, which has no `mprotect`, it is read-write from
+/// the start.)
+pub(crate) fn reserve_uncommitted(size: usize) -> Option<NonNull<u8>> {
+    if cfg!(miri) {
+        return reserve(size);
+    }
+    // SAFETY: as in `reserve`.
+    let p = unsafe {
+        libc::mmap(
+            core::ptr::null_mut(),
+            size,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        None
+    } else {
+        NonNull::new(p.cast())
+    }
+}
+
+/// Makes `ptr..ptr + size` (page-aligned, inside a [`reserve_uncommitted`] reservation) readable
+/// and writable, zero-filled where never written. Returns whether the kernel agreed (it refuses
+/// past the commit limit under `vm.overcommit_memory = 2`, or past `RLIMIT_DATA`).
+///
+/// # Safety
+/// The range is page-aligned and inside a mapping made by [`reserve_uncommitted`].
+#[must_use = "the range is usable only if the commit worked"]
+pub(crate) unsafe fn commit(ptr: usize, size: usize) -> bool {
+    if cfg!(miri) || size == 0 {
+        return true;
+    }
+    // SAFETY: guaranteed by the caller: the range is part of our own reservation; adding access
+    // to it changes no data.
+    unsafe {
+        libc::mprotect(
+            ptr as *mut libc::c_void,
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+        ) == 0
+    }
 }
 
 /// Unmaps a reservation.
