@@ -2529,6 +2529,10 @@ mod tests {
     /// A release threshold of 0 (every freed chunk counts) and one larger than the arena (none
     /// does) are both usable: blocks come and go, stay intact, and the heap checks clean.
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "writes and checks 100 MiB byte by byte: over 15 minutes under Miri"
+    )]
     fn extreme_release_thresholds_work() {
         for release_threshold in [0, usize::MAX] {
             let a = GlobalBfc::with_config(HostConfig {
