@@ -10,7 +10,7 @@
 use std::alloc::{GlobalAlloc, Layout};
 use std::process::Command;
 
-use bfc_alloc::GlobalBfc;
+use bfc_alloc::{GlobalBfc, HostConfig};
 
 const CASE_ENV: &str = "BFC_ADDRESS_LIMIT_CASE";
 
@@ -204,6 +204,92 @@ fn a_data_limit_counts_committed_memory_only() {
             blocks.push(p);
         }
         for p in blocks {
+            a.dealloc(p, l);
+        }
+    }
+    a.check().unwrap();
+}
+
+/// A private heap of 256 MiB (so a test knows its layout).
+fn heap_256() -> GlobalBfc {
+    GlobalBfc::with_config(HostConfig {
+        arena_size: 256 << 20,
+        min_arena_size: 256 << 20,
+        ..HostConfig::DEFAULT
+    })
+}
+
+/// Under a data limit, an allocation commits only as far as its own block reaches: after a
+/// 100 MiB block was freed, 120 MiB fit under a limit of 150 MiB (committing 18 MiB more, not the
+/// 120 MiB above the freed block's end).
+#[test]
+fn a_data_limit_does_not_refuse_a_block_that_fits() {
+    if std::env::var_os(CASE_ENV).is_none() {
+        let (ok, out) = run_case("fits", "a_data_limit_does_not_refuse_a_block_that_fits");
+        assert!(ok, "{out}");
+        return;
+    }
+    limit(libc::RLIMIT_DATA, "VmData", 150 << 20);
+    let a = heap_256();
+    let big = Layout::from_size_align(100 << 20, 8).unwrap();
+    let bigger = Layout::from_size_align(120 << 20, 8).unwrap();
+    // SAFETY: non-zero layouts; each block is written within its size and freed once with it.
+    unsafe {
+        let p = a.alloc(big);
+        assert!(!p.is_null());
+        p.write_bytes(1, 100 << 20);
+        a.dealloc(p, big);
+        let q = a.alloc(bigger);
+        assert!(
+            !q.is_null(),
+            "120 MiB refused with 102 MiB committed under a 150 MiB limit"
+        );
+        q.write_bytes(1, 120 << 20);
+        a.dealloc(q, bigger);
+    }
+    a.check().unwrap();
+}
+
+/// Under a data limit that is used up, a realloc shrinks in place, and a grow that cannot be
+/// committed in place moves into a free hole instead of failing.
+#[test]
+fn a_data_limit_leaves_realloc_working() {
+    if std::env::var_os(CASE_ENV).is_none() {
+        let (ok, out) = run_case("realloc", "a_data_limit_leaves_realloc_working");
+        assert!(ok, "{out}");
+        return;
+    }
+    limit(libc::RLIMIT_DATA, "VmData", 40 << 20);
+    let a = heap_256();
+    let l = Layout::from_size_align(1 << 20, 8).unwrap();
+    let mut v = Vec::new();
+    // SAFETY: non-zero layouts; each block is written within its size and freed once with its
+    // current layout.
+    unsafe {
+        loop {
+            let p = a.alloc(l);
+            if p.is_null() {
+                break;
+            }
+            p.write_bytes(1, 1 << 20);
+            v.push(p);
+            assert!(v.len() < 1000, "the data limit did not apply");
+        }
+        // The last block ends at the committed end: a shrink by a granule needs nothing more.
+        let last = v.pop().unwrap();
+        let q = a.realloc(last, l, (1 << 20) - 16);
+        assert_eq!(q, last, "a shrink at the limit failed or moved");
+        let l2 = Layout::from_size_align((1 << 20) - 16, 8).unwrap();
+        // A hole of 4 MiB at the bottom; the grow cannot be committed in place, so it moves.
+        for p in v.drain(..4) {
+            a.dealloc(p, l);
+        }
+        let r = a.realloc(q, l2, 2 << 20);
+        assert!(!r.is_null(), "a grow that could move returned null");
+        assert!(*r == 1 && *r.add((1 << 20) - 17) == 1);
+        r.write_bytes(2, 2 << 20);
+        a.dealloc(r, Layout::from_size_align(2 << 20, 8).unwrap());
+        for p in v {
             a.dealloc(p, l);
         }
     }

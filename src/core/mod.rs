@@ -175,8 +175,9 @@ impl Config {
 enum Refusal {
     /// Out of memory (reported with an [`OomReport`]).
     Oom(OomCause),
-    /// The block would end past the caller's bound ([`AllocError::BeyondBound`]).
-    BeyondBound,
+    /// The block would end past the caller's bound, at the address given
+    /// ([`AllocError::BeyondBound`]).
+    BeyondBound(usize),
 }
 
 /// One region obtained from the source.
@@ -379,8 +380,9 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
 
     /// [`allocate_block`](Self::allocate_block), but only a block that ends at or below `bound`
     /// (an address). When the chunk the engine picks would leave the block past it, nothing is
-    /// handed out and the error is [`AllocError::BeyondBound`]; the caller can make more memory
-    /// usable and try again. (The host heap passes the end of the arena memory it has committed.)
+    /// handed out and the error is [`AllocError::BeyondBound`], which says where that block would
+    /// have ended; the caller can make memory up to there usable and try again (the engine then picks
+    /// the same chunk, or one that ends lower). (The host heap passes the end of the arena memory it has committed.)
     #[allow(
         clippy::result_large_err,
         reason = "the report is the point; the Ok path stays small"
@@ -427,7 +429,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         };
         found.map_err(|e| match e {
             Refusal::Oom(cause) => self.oom_error(size, needed, cause),
-            Refusal::BeyondBound => AllocError::BeyondBound { bound },
+            Refusal::BeyondBound(end) => AllocError::BeyondBound { bound, end },
         })
     }
 
@@ -564,6 +566,32 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         self.stats.peak_bytes_in_use = self.stats.peak_bytes_in_use.max(self.stats.bytes_in_use);
         self.stats.largest_alloc_size = self.stats.largest_alloc_size.max(size);
         Ok(Resize::Done { size, freed: None })
+    }
+
+    /// Where the block at `ptr` would end if [`resize_in_place`](Self::resize_in_place) grew it to
+    /// `new_size` bytes now: `None` when it would not grow in place (a shrink, a successor in use
+    /// or too small, a bad pointer). A caller that must make memory usable before a block reaches
+    /// it (the host arena) asks this first. Changes nothing.
+    pub fn grown_end(&self, ptr: usize, new_size: usize) -> Option<usize> {
+        let h = self.lookup_in_use(ptr).ok()?;
+        let c = self.table.get(h);
+        let want =
+            round_up(new_size.max(1), self.config.granule).filter(|&w| w <= isize::MAX as usize)?;
+        if want <= c.size() {
+            return None;
+        }
+        let next = self.table.get(c.next?);
+        let total = c.size() + next.size();
+        if next.in_use() || total < want {
+            return None;
+        }
+        // (The split cannot fail: the merge frees a record first.)
+        let size = if self.should_split(total, want) {
+            want
+        } else {
+            total
+        };
+        Some(ptr + size)
     }
 
     /// Moves every quick-listed chunk into the bins, coalescing it with free neighbours.
@@ -761,7 +789,8 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
     }
 
     /// Chunk records ever used: the prefix of the chunk table the engine has touched. One call
-    /// makes at most two more (a split for alignment padding and one for the remainder).
+    /// makes at most three more (a region's first chunk when it grows, a split for alignment
+    /// padding and one for the remainder).
     pub fn records_touched(&self) -> usize {
         self.table.high_water()
     }
@@ -882,7 +911,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         let split = self.should_split(have, rounded);
         let end = c.ptr() + pad + if split { rounded } else { have };
         if end > bound {
-            return Err(Refusal::BeyondBound);
+            return Err(Refusal::BeyondBound(end));
         }
         self.bins
             .remove(&mut self.table, h, c.size() >> self.granule_shift);

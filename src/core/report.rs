@@ -200,6 +200,8 @@ pub enum AllocError {
     BeyondBound {
         /// The bound.
         bound: usize,
+        /// Where the block the engine picked would have ended (past `bound`).
+        end: usize,
     },
 }
 
@@ -209,8 +211,11 @@ impl fmt::Display for AllocError {
             AllocError::OutOfMemory(r) => r.fmt(f),
             AllocError::BadAlignment { align } => write!(f, "unsupported alignment {align}"),
             AllocError::TooLarge { size } => write!(f, "size {size} is too large"),
-            AllocError::BeyondBound { bound } => {
-                write!(f, "the block would end past the bound {bound:#x}")
+            AllocError::BeyondBound { bound, end } => {
+                write!(
+                    f,
+                    "the block would end at {end:#x}, past the bound {bound:#x}"
+                )
             }
         }
     }

@@ -772,6 +772,11 @@ fn a_bounded_allocation_never_ends_past_its_bound() {
     let before = b.stats();
     assert!(beyond(b.allocate_block_below(100, 16, BASE + 4096 + 99)));
     assert!(beyond(b.allocate_block_below(100, 8192, BASE + 8192 + 99)));
+    // A refusal says where the block would have ended.
+    assert!(matches!(
+        b.allocate_block_below(100, 8192, BASE + 8192 + 99),
+        Err(AllocError::BeyondBound { end, .. }) if end == BASE + 8192 + 112
+    ));
     checked(&b);
     assert_eq!(b.stats(), before, "a refusal changed the engine");
     let got = b
@@ -804,5 +809,24 @@ fn a_bounded_allocation_never_ends_past_its_bound() {
     assert!(beyond(b.allocate_block_below(1024, 16, e + 1024)));
     let got = b.allocate_block_below(1024, 16, e + 1040).unwrap();
     assert_eq!((got.ptr, got.size), (e, 1040));
+    checked(&b);
+}
+
+/// `grown_end` says where an in-place grow would end, and `None` where it would not grow in place.
+#[test]
+fn grown_end_matches_resize_in_place() {
+    let mut b = engine(Config::host(1 << 30));
+    let a = alloc(&mut b, 4096, 16);
+    let c = alloc(&mut b, 4096, 16);
+    // `a`'s successor is in use; a shrink does not grow.
+    assert_eq!(b.grown_end(a, 8192), None);
+    assert_eq!(b.grown_end(a, 100), None);
+    assert_eq!(b.grown_end(a + 16, 8192), None);
+    // `c` is followed by the free rest of the region.
+    assert_eq!(b.grown_end(c, 10_000), Some(c + 10_000));
+    match b.resize_in_place(c, 10_000).unwrap() {
+        Resize::Done { size, .. } => assert_eq!(c + size, c + 10_000),
+        Resize::Moved => panic!("moved"),
+    }
     checked(&b);
 }

@@ -293,8 +293,9 @@ impl HostSource {
 // SAFETY: the arena and its map are one reservation each that only this source hands out: the region
 // once (until freed), the map once (zeroed by `discard` when freed). The map is committed for every
 // block below the committed end of the arena and one more; chunks start only there (the heap
-// commits past every block it lets the engine hand out, see `Heap::prepare`), so every entry the
-// engine touches is writable (see `MemorySource::alloc_map`). No method calls an allocator.
+// commits past every block it lets the engine hand out, see `Heap::engine_block` and
+// `Heap::realloc_step`), so every entry the engine touches is writable (see
+// `MemorySource::alloc_map`). No method calls an allocator.
 unsafe impl MemorySource for HostSource {
     fn alloc_region(&mut self, size: usize, align: usize) -> Option<usize> {
         if self.region_out || size > self.arena_size || align > ARENA_ALIGN {
@@ -440,10 +441,6 @@ struct Heap {
     /// Every byte ever handed out lies below this address (the arena above it was never touched, or
     /// its pages were returned).
     brk: usize,
-    /// The end of the highest block ever handed out (a span counts as one): `brk` before any page
-    /// went back. Every chunk start lies at or below it, and the free chunk above it was never
-    /// handed out.
-    high: usize,
     page: usize,
 }
 
@@ -1403,7 +1400,6 @@ impl Heap {
             transfer: tcache::Transfer::new(transfer),
             arena_end: arena + arena_size,
             brk: arena,
-            high: arena,
             page,
         };
         let id = heap.id();
@@ -1445,7 +1441,6 @@ impl Heap {
             ));
         }
         self.brk = self.brk.max(end);
-        self.high = self.high.max(end);
     }
 
     /// Commits room for the chunk records an engine call may make. `false` if the kernel refuses;
@@ -1454,18 +1449,6 @@ impl Heap {
     fn prepare_records(&mut self) -> bool {
         let records = self.bfc.records_touched() + RECORD_SLACK;
         self.bfc.source_mut().commit_records(records)
-    }
-
-    /// The end of any block the engine can hand out for `size` bytes on a grid of `grid` bytes: in
-    /// a free chunk below `high` (committed already), or in the free chunk above it, which starts
-    /// at or below `high`, after padding to the grid and rounding (at most two granules with the
-    /// split threshold).
-    #[inline]
-    fn reach(&self, size: usize, grid: usize) -> usize {
-        self.high
-            .saturating_add(grid)
-            .saturating_add(size)
-            .saturating_add(2 * self.bfc.config().granule)
     }
 
     /// Bytes handed out to callers now.
@@ -1515,9 +1498,9 @@ impl Heap {
     }
 
     /// An engine block of `size` bytes on a grid of `grid` bytes inside the committed arena. When
-    /// the engine's pick lies past the committed end, commits as far as any block for the request
-    /// can reach and asks again (still bounded: a block is never handed out past the committed
-    /// memory). `None` when out of memory or the kernel refuses the commit.
+    /// the engine's pick lies past the committed end, commits up to the end of that pick and asks
+    /// again (still bounded: a block is never handed out past the committed memory). `None` when
+    /// out of memory or the kernel refuses the commit.
     #[inline]
     fn engine_block(&mut self, size: usize, grid: usize) -> Option<Allocated> {
         if !self.prepare_records() {
@@ -1526,20 +1509,35 @@ impl Heap {
         let bound = self.bfc.source().committed_end();
         match self.bfc.allocate_block_below(size, grid, bound) {
             Ok(b) => Some(b),
-            Err(AllocError::BeyondBound { .. }) => self.engine_block_beyond(size, grid),
+            Err(AllocError::BeyondBound { end, .. }) => self.engine_block_beyond(size, grid, end),
             Err(_) => None,
         }
     }
 
-    /// [`Heap::engine_block`] when the engine's pick lies past the committed end.
+    /// [`Heap::engine_block`] when the engine's pick would end at `end`, past the committed end.
+    /// Commits only that far (not a bound on any pick: under a commit limit, a block that fits must
+    /// not fail for memory it would never use). Asked again, the engine picks the same chunk or one
+    /// ending lower (a quick-listed one now in reach), so a second refusal is not expected; a few
+    /// rounds at most in any case.
     #[cold]
-    fn engine_block_beyond(&mut self, size: usize, grid: usize) -> Option<Allocated> {
-        let reach = self.reach(size, grid);
-        if !self.bfc.source_mut().commit_arena(reach) {
-            return None;
+    fn engine_block_beyond(
+        &mut self,
+        size: usize,
+        grid: usize,
+        mut end: usize,
+    ) -> Option<Allocated> {
+        for _ in 0..4 {
+            if !(self.prepare_records() && self.bfc.source_mut().commit_arena(end)) {
+                return None;
+            }
+            let bound = self.bfc.source().committed_end();
+            match self.bfc.allocate_block_below(size, grid, bound) {
+                Ok(b) => return Some(b),
+                Err(AllocError::BeyondBound { end: e, .. }) => end = e,
+                Err(_) => return None,
+            }
         }
-        let bound = self.bfc.source().committed_end();
-        self.bfc.allocate_block_below(size, grid, bound).ok()
+        None
     }
 
     /// Gives class `c`, whose spans are all full, a new span from the engine and allocates.
@@ -1560,8 +1558,6 @@ impl Heap {
         };
         let base = b.ptr;
         self.note_allocated(base, SPAN);
-        // (The chunk may be a granule longer than the span, when not worth splitting.)
-        self.high = self.high.max(base + b.size);
         self.span_allocs += 1;
         self.small.add_span(c, base);
         true
@@ -1783,13 +1779,17 @@ impl Heap {
             }
             Err(e) => small_error(p, e, "realloc: "),
         }
-        // Growing in place may take (part of) the free chunk after the block, up to the new size
-        // and a granule of unsplit rest; shrinking makes a record.
-        let end = p
-            .saturating_add(new_size)
-            .saturating_add(2 * self.bfc.config().granule);
-        if !(self.prepare_records() && self.bfc.source_mut().commit_arena(end)) {
+        // A shrink makes a record.
+        if !self.prepare_records() {
             return ptr::null_mut();
+        }
+        // Growing in place takes (part of) the free chunk after the block: commit exactly as far as
+        // the grown block would reach, and only when it can grow. If the kernel refuses, the block
+        // moves (a free chunk below the committed end may hold it) instead of failing.
+        if let Some(end) = self.bfc.grown_end(p, new_size) {
+            if !self.bfc.source_mut().commit_arena(end) {
+                return self.allocate(new_size, align);
+            }
         }
         match self.bfc.resize_in_place(p, new_size) {
             Ok(Resize::Done { freed, size }) => {
