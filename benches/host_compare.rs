@@ -101,22 +101,16 @@ fn churn_aligned(a: &dyn GlobalAlloc, steps: usize, lo: usize, hi: usize, align:
 
 /// 32-byte alloc/free pairs. ns per pair.
 fn pairs(a: &dyn GlobalAlloc, n: usize) -> f64 {
-    let l = Layout::from_size_align(32, 8).unwrap();
-    let t = Instant::now();
-    for _ in 0..n {
-        // SAFETY: a non-zero layout; the block is freed once with it.
-        unsafe {
-            let p = a.alloc(l);
-            black_box(p);
-            a.dealloc(p, l);
-        }
-    }
-    t.elapsed().as_nanos() as f64 / n as f64
+    pairs_of(a, n, Layout::from_size_align(32, 8).unwrap())
 }
 
 /// 64-byte blocks aligned to 64 bytes (a cache-line padded value), alloc/free pairs. ns per pair.
 fn aligned_pairs(a: &dyn GlobalAlloc, n: usize) -> f64 {
-    let l = Layout::from_size_align(64, 64).unwrap();
+    pairs_of(a, n, Layout::from_size_align(64, 64).unwrap())
+}
+
+/// `n` alloc/free pairs of layout `l`. ns per pair.
+fn pairs_of(a: &dyn GlobalAlloc, n: usize, l: Layout) -> f64 {
     let t = Instant::now();
     for _ in 0..n {
         // SAFETY: a non-zero layout; the block is freed once with it.

@@ -45,18 +45,25 @@ fn limit_address_space(extra: usize) -> usize {
     limit(libc::RLIMIT_AS, "VmSize", extra)
 }
 
-/// Runs `case` in a child process; returns whether it succeeded, and its standard error.
-fn run_case(case: &str, test: &str) -> (bool, String) {
+/// In the test process: runs `test` again in a child process (which lowers its own limits),
+/// asserts that it succeeded, and returns its output (stdout, then stderr). In that child: `None`,
+/// and the test goes on to its case.
+fn run_in_child(test: &str) -> Option<String> {
+    if std::env::var_os(CASE_ENV).is_some() {
+        return None;
+    }
     let out = Command::new(std::env::current_exe().unwrap())
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
-        .env(CASE_ENV, case)
+        .env(CASE_ENV, "1")
         // A failed assertion at the limit must not hang in a backtrace that cannot allocate.
         .env("RUST_BACKTRACE", "0")
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    (out.status.success(), format!("{stdout}\n{stderr}"))
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let all = format!("{stdout}\n{stderr}");
+    assert!(out.status.success(), "{all}");
+    Some(all)
 }
 
 /// With 1.5 GiB of address space left under the limit, in a process that already maps 1 GiB more,
@@ -67,9 +74,7 @@ fn run_case(case: &str, test: &str) -> (bool, String) {
 /// limit, not of what is left, left too little room here.)
 #[test]
 fn a_limited_address_space_gets_a_smaller_arena() {
-    if std::env::var_os(CASE_ENV).is_none() {
-        let (ok, out) = run_case("fits", "a_limited_address_space_gets_a_smaller_arena");
-        assert!(ok, "{out}");
+    if let Some(out) = run_in_child("a_limited_address_space_gets_a_smaller_arena") {
         assert!(out.contains("arena of "), "{out}");
         assert!(!out.contains("bfc-alloc: warning"), "{out}");
         return;
@@ -134,9 +139,7 @@ fn a_limited_address_space_gets_a_smaller_arena() {
 /// (once).
 #[test]
 fn no_room_for_the_smallest_arena_is_reported() {
-    if std::env::var_os(CASE_ENV).is_none() {
-        let (ok, out) = run_case("none", "no_room_for_the_smallest_arena_is_reported");
-        assert!(ok, "{out}");
+    if let Some(out) = run_in_child("no_room_for_the_smallest_arena_is_reported") {
         assert_eq!(
             out.matches("bfc-alloc: warning: cannot reserve a heap arena of 16 MiB")
                 .count(),
@@ -162,9 +165,7 @@ fn no_room_for_the_smallest_arena_is_reported() {
 /// only what halving fit under the limit.)
 #[test]
 fn a_data_limit_counts_committed_memory_only() {
-    if std::env::var_os(CASE_ENV).is_none() {
-        let (ok, out) = run_case("data", "a_data_limit_counts_committed_memory_only");
-        assert!(ok, "{out}");
+    if let Some(out) = run_in_child("a_data_limit_counts_committed_memory_only") {
         assert!(out.contains("blocks of 1 MiB"), "{out}");
         return;
     }
@@ -224,9 +225,7 @@ fn heap_256() -> GlobalBfc {
 /// 120 MiB above the freed block's end).
 #[test]
 fn a_data_limit_does_not_refuse_a_block_that_fits() {
-    if std::env::var_os(CASE_ENV).is_none() {
-        let (ok, out) = run_case("fits", "a_data_limit_does_not_refuse_a_block_that_fits");
-        assert!(ok, "{out}");
+    if run_in_child("a_data_limit_does_not_refuse_a_block_that_fits").is_some() {
         return;
     }
     limit(libc::RLIMIT_DATA, "VmData", 150 << 20);
@@ -254,9 +253,7 @@ fn a_data_limit_does_not_refuse_a_block_that_fits() {
 /// committed in place moves into a free hole instead of failing.
 #[test]
 fn a_data_limit_leaves_realloc_working() {
-    if std::env::var_os(CASE_ENV).is_none() {
-        let (ok, out) = run_case("realloc", "a_data_limit_leaves_realloc_working");
-        assert!(ok, "{out}");
+    if run_in_child("a_data_limit_leaves_realloc_working").is_some() {
         return;
     }
     limit(libc::RLIMIT_DATA, "VmData", 40 << 20);

@@ -76,33 +76,6 @@ fn address_space_used() -> Option<usize> {
     }
 }
 
-/// Reserves `size` bytes of zero-filled, read-write address space without committing memory
-/// (`MAP_NORESERVE`; pages are backed on first touch). `None` if the kernel refuses.
-pub(crate) fn reserve(size: usize) -> Option<NonNull<u8>> {
-    // SAFETY: an anonymous private mapping at an address of the kernel's choosing has no preconditions
-    // and aliases nothing.
-    let p = unsafe {
-        libc::mmap(
-            core::ptr::null_mut(),
-            size,
-            libc::PROT_READ | libc::PROT_WRITE,
-            // Miri implements no other flags.
-            if cfg!(miri) {
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS
-            } else {
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE
-            },
-            -1,
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        None
-    } else {
-        NonNull::new(p.cast())
-    }
-}
-
 /// Asks the kernel not to back `ptr..ptr + size` with transparent huge pages (where it has them;
 /// a refusal changes nothing but the resident size).
 pub(crate) fn no_huge_pages(ptr: NonNull<u8>, size: usize) {
@@ -117,23 +90,23 @@ pub(crate) fn no_huge_pages(ptr: NonNull<u8>, size: usize) {
 
 /// Reserves `size` bytes of address space that cannot be accessed until [`commit`]ted
 /// (`PROT_NONE`: neither the commit charge of `vm.overcommit_memory = 2` nor `RLIMIT_DATA` counts
-/// it). `None` if the kernel refuses. (Under Miri, which has no `mprotect`, it is read-write from
-/// the start.)
+/// it). `None` if the kernel refuses. (Under Miri, which has no `mprotect` and no other flags, it
+/// is read-write and zero-filled from the start.)
 pub(crate) fn reserve_uncommitted(size: usize) -> Option<NonNull<u8>> {
-    if cfg!(miri) {
-        return reserve(size);
-    }
-    // SAFETY: as in `reserve`.
-    let p = unsafe {
-        libc::mmap(
-            core::ptr::null_mut(),
-            size,
+    let (prot, flags) = if cfg!(miri) {
+        (
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+        )
+    } else {
+        (
             libc::PROT_NONE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
         )
     };
+    // SAFETY: an anonymous private mapping at an address of the kernel's choosing has no
+    // preconditions and aliases nothing.
+    let p = unsafe { libc::mmap(core::ptr::null_mut(), size, prot, flags, -1, 0) };
     if p == libc::MAP_FAILED {
         None
     } else {
