@@ -103,7 +103,10 @@ const ALIGNED: [[u16; NUM_CLASSES]; ALIGN_ROWS] = {
 /// takes the 128-byte class, a page-aligned one the 4 KiB class).
 #[inline]
 pub(crate) fn class_for(size: usize, align: usize) -> Option<usize> {
+    // The hints lay the fast paths out for the usual small request (at most 16-byte aligned) as
+    // straight-line code: the others branch off it.
     if size > SMALL_MAX {
+        cold_path();
         return None;
     }
     // Both ways end in one load from `CLASS_OF`, whose entries the compiler sees are all classes:
@@ -112,12 +115,20 @@ pub(crate) fn class_for(size: usize, align: usize) -> Option<usize> {
     let units = if align <= 16 {
         (size + 15) >> 4
     } else if align <= SMALL_MAX {
+        cold_path();
         aligned_units(size, align)
     } else {
+        cold_path();
         return None;
     };
     Some(CLASS_OF[units] as usize)
 }
+
+/// Marks the branch that calls it as unlikely (`core::hint::cold_path`, which is stable only since
+/// Rust 1.95: a call to a cold function has the same effect on the layout).
+#[cold]
+#[inline(always)]
+fn cold_path() {}
 
 /// The size in 16-byte units of [`class_for`]'s class for a request of at most [`SMALL_MAX`] bytes
 /// aligned to a power of two in `32..=SMALL_MAX`. (The mask and the `min` change nothing for such
@@ -136,25 +147,31 @@ pub(crate) const fn class_size(c: usize) -> usize {
     CLASS_SIZES[c] as usize
 }
 
-/// Per class, for the exact-division test of [`is_object_start`]: with the class size
-/// `size = odd << twos`, the inverse of `odd` modulo 2^32 (bits 0..32), `twos` (bits 32..40) and the
-/// span's capacity in objects (bits 40..56).
-const START_TEST: [u64; NUM_CLASSES] = {
+/// Per class, for the divisibility test of [`is_object_start`]: `M = ceil(2^64 / size)`.
+const START_MUL: [u64; NUM_CLASSES] = {
     let mut t = [0u64; NUM_CLASSES];
     let mut c = 0;
     while c < NUM_CLASSES {
-        let size = CLASS_SIZES[c];
-        let twos = size.trailing_zeros();
-        let odd = size >> twos;
-        // Newton's iteration: `odd * odd == 1 (mod 8)`, and each step doubles the correct bits.
-        let mut inv = odd;
-        let mut k = 0;
-        while k < 4 {
-            inv = inv.wrapping_mul(2u32.wrapping_sub(odd.wrapping_mul(inv)));
-            k += 1;
-        }
-        assert!(odd.wrapping_mul(inv) == 1);
-        t[c] = inv as u64 | (twos as u64) << 32 | ((SPAN / size as usize) as u64) << 40;
+        t[c] = u64::MAX / CLASS_SIZES[c] as u64 + 1;
+        c += 1;
+    }
+    t
+};
+
+/// Per class, the bound of [`is_object_start`]'s product: with `e = size * M - 2^64` (the
+/// rounding of [`START_MUL`], below `size`), `capacity * e`, or `M` when `e` is 0 (a power of two,
+/// which divides [`SPAN`] and leaves no tail).
+const START_LIMIT: [u64; NUM_CLASSES] = {
+    let mut t = [0u64; NUM_CLASSES];
+    let mut c = 0;
+    while c < NUM_CLASSES {
+        let size = CLASS_SIZES[c] as u64;
+        let e = size.wrapping_mul(START_MUL[c]);
+        t[c] = if e == 0 {
+            START_MUL[c]
+        } else {
+            (SPAN as u64 / size) * e
+        };
         c += 1;
     }
     t
@@ -164,18 +181,16 @@ const START_TEST: [u64; NUM_CLASSES] = {
 /// a multiple of the class size below the end of the span's last object (a class size that does
 /// not divide [`SPAN`] leaves a tail that holds no object).
 ///
-/// One multiplication decides both: with `size = odd << twos`, `q = rotr(offset * odd^-1, twos)`
-/// (modulo 2^32) equals `offset / size` when `size` divides `offset`, and exceeds
-/// `(2^32 - 1) / size`, so every capacity, when it does not (exact division by a constant, Hacker's
-/// Delight 10-16).
+/// One multiplication decides both. With `M = ceil(2^64 / size)`, `offset * M` (modulo 2^64) is
+/// at least `M` when `size` does not divide `offset` (offsets below 2^32; Lemire, Kaser and Kurz,
+/// "Faster remainder by direct computation", 2019), and is `q * e` when `offset = q * size`, with
+/// `e = size * M - 2^64` in `1..size` unless `size` is a power of two. So `q * e < capacity * e`
+/// (at most [`SPAN`], far below `M`) holds exactly for the objects' starts.
 #[cfg_attr(not(feature = "std"), allow(dead_code))]
 #[inline(always)]
 pub(crate) fn is_object_start(offset: usize, c: usize) -> bool {
-    let t = START_TEST[c];
-    let q = (offset as u32)
-        .wrapping_mul(t as u32)
-        .rotate_right((t >> 32) as u32 & 31);
-    (q as u64) < t >> 40
+    debug_assert!(offset < SPAN);
+    (offset as u64).wrapping_mul(START_MUL[c]) < START_LIMIT[c]
 }
 
 /// Metadata of one 64 KiB window of the arena (its class is in [`SmallHeap::classes`]). All-zero

@@ -114,6 +114,22 @@ const OFFSET: [usize; NUM_CLASSES + 1] = {
 };
 const SLOTS: usize = OFFSET[NUM_CLASSES];
 
+/// `STACK[c]` is where class `c`'s stack starts in [`ThreadCache::slots`]: after the stacks below it
+/// and one more slot per class, so the slot just below every stack is a guard that stays 0 (never a
+/// block). [`ThreadCache::push`] compares the block with the slot below its stack's free end without
+/// first checking that the stack is not empty.
+const STACK: [usize; NUM_CLASSES] = {
+    let mut s = [0; NUM_CLASSES];
+    let mut c = 0;
+    while c < NUM_CLASSES {
+        s[c] = OFFSET[c] + c + 1;
+        c += 1;
+    }
+    s
+};
+/// Length of [`ThreadCache::slots`]: the stacks and their guards.
+const CACHE_SLOTS: usize = SLOTS + NUM_CLASSES;
+
 /// Most bytes one thread's cache holds (the sum of every class's capacity times its size).
 pub const MAX_CACHED_BYTES: usize = {
     let mut sum = 0;
@@ -156,8 +172,9 @@ pub(crate) struct ThreadCache {
     /// stores and summed by `stats()`; no ordering is relied on, so loom need not model them
     /// (modelling them would make every cached block a scheduling point).
     counts: [AtomicU32; NUM_CLASSES],
-    /// The stacks: class `c`'s is `slots[OFFSET[c]..OFFSET[c] + counts[c]]`, top last.
-    slots: [Cell<usize>; SLOTS],
+    /// The stacks: class `c`'s is `slots[STACK[c]..STACK[c] + counts[c]]`, top last;
+    /// `slots[STACK[c] - 1]` is 0.
+    slots: [Cell<usize>; CACHE_SLOTS],
 }
 
 impl ThreadCache {
@@ -174,7 +191,7 @@ impl ThreadCache {
                 prev: AtomicUsize::new(0),
                 next: AtomicUsize::new(0),
                 counts: [const { AtomicU32::new(0) }; NUM_CLASSES],
-                slots: [const { Cell::new(0) }; SLOTS],
+                slots: [const { Cell::new(0) }; CACHE_SLOTS],
             }
         }
     }
@@ -203,7 +220,17 @@ impl ThreadCache {
         // SAFETY: `i < bin_capacity(c)` (callers index below the count, which never exceeds the
         // capacity, or at or above the count after checking that the new count fits the
         // capacity), so the index is inside class `c`'s part of `slots`.
-        unsafe { self.slots.get_unchecked(OFFSET[c] + i) }
+        unsafe { self.slots.get_unchecked(STACK[c] + i) }
+    }
+
+    /// The slot below the free end of class `c`'s stack of `n` blocks: its top block, or the guard
+    /// (0) when the stack is empty.
+    #[inline(always)]
+    fn below(&self, c: usize, n: usize) -> usize {
+        debug_assert!(n <= bin_capacity(c));
+        // SAFETY: `STACK[c] >= 1` and `n <= bin_capacity(c)`, so the index is class `c`'s guard or
+        // one of its stack's slots.
+        unsafe { self.slots.get_unchecked(STACK[c] - 1 + n) }.get()
     }
 
     /// Pops a block of class `c` (owner thread only).
@@ -224,10 +251,7 @@ impl ThreadCache {
     #[inline(always)]
     pub(crate) fn push(&self, c: usize, p: usize) -> bool {
         let n = self.count(c);
-        if n >= bin_capacity(c)
-            || !self.plausible(c, p)
-            || (n > 0 && self.slot(c, n - 1).get() == p)
-        {
+        if n >= bin_capacity(c) || !self.plausible(c, p) || self.below(c, n) == p {
             return false;
         }
         self.slot(c, n).set(p);
@@ -478,7 +502,23 @@ mod tests {
         }
         // The figure the module docs and the README quote.
         assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 575);
-        assert_eq!((SLOTS * 8).div_ceil(1024), 14);
+        assert_eq!((CACHE_SLOTS * 8).div_ceil(1024), 14);
+    }
+
+    #[test]
+    fn every_stack_has_a_zero_guard_below_it_when_all_are_full() {
+        let tc = ThreadCache::new();
+        for c in 0..NUM_CLASSES {
+            let blocks: std::vec::Vec<usize> = (1..=bin_capacity(c)).map(|i| c << 16 | i).collect();
+            tc.fill_reversed(c, &blocks);
+        }
+        for c in 0..NUM_CLASSES {
+            let n = bin_capacity(c);
+            assert_eq!(tc.below(c, 0), 0, "class {c}: the guard");
+            // The top is the first block given to the refill.
+            assert_eq!(tc.below(c, n), c << 16 | 1, "class {c}: the top");
+            assert_eq!(tc.pop(c), Some(c << 16 | 1));
+        }
     }
 
     #[test]
