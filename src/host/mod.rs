@@ -120,9 +120,11 @@ pub use tcache::MAX_CACHED_BYTES;
 /// Host allocator parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HostConfig {
-    /// Address space reserved for the heap (default 64 GiB). Allocations beyond it fail.
+    /// Address space reserved for the heap (default 64 GiB), rounded up to a multiple of 2 MiB.
+    /// Allocations beyond it fail.
     pub arena_size: usize,
-    /// Smallest arena accepted when the kernel refuses a larger one (default 16 MiB).
+    /// Smallest arena accepted when the kernel refuses a larger one (default 16 MiB; the arena
+    /// tried last is the smallest multiple of 2 MiB at least this large).
     pub min_arena_size: usize,
     /// Capacity of the chunk table (default 2^25 records = 1 GiB of address space, touched as used),
     /// at most one record per 256 bytes of the arena reserved.
@@ -263,15 +265,39 @@ impl HostSource {
     #[cold]
     fn commit_arena_slow(&mut self, bytes: usize) -> bool {
         let to = bytes.next_multiple_of(COMMIT_STEP).min(self.arena_size);
-        // A chunk may start at `to` itself (the free rest of a block that ends there), so its map
-        // entry and span entry are committed too. Metadata first: a refusal then leaves the arena
-        // as it was.
-        let map_bytes = (to / self.map_block + 1) * core::mem::size_of::<Option<ChunkHandle>>();
-        let spans_bytes = ((to >> small::SPAN_SHIFT) + 1) * SmallHeap::ENTRY;
+        // Metadata first: a refusal then leaves the arena as it was.
+        let (map_bytes, spans_bytes) = self.described_by(to);
         let page = self.page;
         self.map_commit.cover(map_bytes, page)
             && self.spans_commit.cover(spans_bytes, page)
             && self.arena_commit.cover(to, COMMIT_STEP)
+    }
+
+    /// Bytes of the pointer map and of the span table that describe the arena's first `bytes`.
+    /// A chunk may start at `bytes` itself (the free rest of a block that ends there), so its map
+    /// entry and span entry count too.
+    fn described_by(&self, bytes: usize) -> (usize, usize) {
+        (
+            (bytes / self.map_block + 1) * core::mem::size_of::<Option<ChunkHandle>>(),
+            ((bytes >> small::SPAN_SHIFT) + 1) * SmallHeap::ENTRY,
+        )
+    }
+
+    /// Whether what is committed covers what the heap uses: the arena below `brk`, the map and
+    /// span entries of the committed arena, and the chunk table's first `records` records.
+    fn check_commit(&self, brk: usize, records: usize) -> Result<(), &'static str> {
+        let (map_bytes, spans_bytes) = self.described_by(self.arena_commit.done);
+        if brk > self.committed_end() {
+            Err("memory in use lies past the committed end of the arena")
+        } else if map_bytes.min(self.map_commit.len) > self.map_commit.done
+            || spans_bytes.min(self.spans_commit.len) > self.spans_commit.done
+        {
+            Err("the pointer map or span table is not committed as far as the arena")
+        } else if records.saturating_mul(core::mem::size_of::<Chunk>()) > self.table_commit.done {
+            Err("chunk records in use lie past the committed part of the chunk table")
+        } else {
+            Ok(())
+        }
     }
 
     /// The committed end of the arena (an address).
@@ -1203,7 +1229,12 @@ impl Heap {
         // the address space still free, so the rest of the process (thread stacks, libraries,
         // file mappings) keeps room; the smallest arena allowed is tried in any case.
         let budget = os::address_space_left() / 2;
-        let mut arena_size = config.arena_size & !(ARENA_ALIGN - 1);
+        // Whole steps of `ARENA_ALIGN`, rounded up so that the arena is never below
+        // `min_arena_size` (a size that cannot be rounded up is halved like a refusal, below).
+        let mut arena_size = config
+            .arena_size
+            .checked_next_multiple_of(ARENA_ALIGN)
+            .unwrap_or(usize::MAX & !(ARENA_ALIGN - 1));
         // Both reservations or neither: when the metadata does not fit beside an arena, a smaller
         // arena (with a smaller map and table) is tried.
         let (arena_mapping, arena_mapping_size, capacity, meta, meta_mapping) = loop {
@@ -1602,6 +1633,10 @@ impl Heap {
                 at: c.ptr(),
             });
         }
+        self.bfc
+            .source()
+            .check_commit(self.brk, self.bfc.records_touched())
+            .map_err(|what| CheckError { what, at: 0 })?;
         self.small
             .check(self.brk)
             .map_err(|what| CheckError { what, at: 0 })?;
@@ -2526,6 +2561,34 @@ mod tests {
         }
     }
 
+    /// An arena size that is not a multiple of 2 MiB is rounded up, never below the minimum.
+    #[test]
+    fn an_odd_arena_size_is_rounded_up() {
+        for (size, min, want) in [
+            (3 << 20, 3 << 20, 4 << 20),
+            ((5 << 20) + 1, 2 << 20, 6 << 20),
+        ] {
+            let a = GlobalBfc::with_config(HostConfig {
+                arena_size: size,
+                min_arena_size: min,
+                chunk_capacity: 1 << 10,
+                ..HostConfig::DEFAULT
+            });
+            assert_eq!(a.arena_size(), want, "arena_size {size}, min {min}");
+            let layout = Layout::from_size_align(size - (1 << 20), 8).unwrap();
+            // SAFETY: a non-zero size; the block is freed with its layout.
+            unsafe {
+                let p = a.alloc(layout);
+                assert!(
+                    !p.is_null(),
+                    "{} bytes from an arena of {size}",
+                    layout.size()
+                );
+                a.dealloc(p, layout);
+            }
+        }
+    }
+
     /// A release threshold of 0 (every freed chunk counts) and one larger than the arena (none
     /// does) are both usable: blocks come and go, stay intact, and the heap checks clean.
     #[test]
@@ -2670,6 +2733,77 @@ mod tests {
         let rc = unsafe { libc::mincore(p.cast(), len, v.as_mut_ptr()) };
         assert_eq!(rc, 0, "mincore");
         v.iter().filter(|&&b| b & 1 != 0).count()
+    }
+
+    /// `check()` reports memory in use past what is committed: the arena below `brk`, the map and
+    /// span entries of the committed arena, the chunk records touched.
+    #[test]
+    fn check_reports_use_past_the_committed_parts() {
+        let a = GlobalBfc::with_config(HostConfig {
+            arena_size: 64 << 20,
+            min_arena_size: 64 << 20,
+            chunk_capacity: 1 << 12,
+            ..HostConfig::DEFAULT
+        });
+        let big = Layout::from_size_align(3 << 20, 8).unwrap();
+        let small = Layout::from_size_align(100, 8).unwrap();
+        // SAFETY: non-zero layouts; the blocks stay live until the allocator is dropped.
+        let (p, q) = unsafe { (a.alloc(big), a.alloc(small)) };
+        assert!(!p.is_null() && !q.is_null());
+        a.check().unwrap();
+        // Each part, the bytes of it the heap uses now, and what `check()` says without them.
+        type Part = fn(&mut HostSource) -> &mut Prefix;
+        type Need = fn(&Heap) -> usize;
+        let parts: [(Part, Need, &str); 4] = [
+            (
+                |s| &mut s.arena_commit,
+                |h| h.brk - h.bfc.source().arena,
+                "past the committed end of the arena",
+            ),
+            (
+                |s| &mut s.map_commit,
+                |h| {
+                    h.bfc
+                        .source()
+                        .described_by(h.bfc.source().arena_commit.done)
+                        .0
+                },
+                "pointer map or span table",
+            ),
+            (
+                |s| &mut s.spans_commit,
+                |h| {
+                    h.bfc
+                        .source()
+                        .described_by(h.bfc.source().arena_commit.done)
+                        .1
+                },
+                "pointer map or span table",
+            ),
+            (
+                |s| &mut s.table_commit,
+                |h| h.bfc.records_touched() * core::mem::size_of::<Chunk>(),
+                "chunk records",
+            ),
+        ];
+        for (part, need, what) in parts {
+            // Pretend the part were committed exactly as far as needed, then one byte less.
+            let done = a.with_heap(|h| part(h.bfc.source_mut()).done).unwrap();
+            for short in [0, 1] {
+                a.with_heap(|h| {
+                    let need = need(h);
+                    assert!(need > 0 && need <= done, "{what}: {need} of {done}");
+                    part(h.bfc.source_mut()).done = need - short;
+                });
+                match (short, a.check()) {
+                    (0, Ok(())) => {}
+                    (1, Err(e)) if e.what.contains(what) => {}
+                    (_, r) => panic!("{what}, {short} byte short: {r:?}"),
+                }
+            }
+            a.with_heap(|h| part(h.bfc.source_mut()).done = done);
+        }
+        a.check().unwrap();
     }
 
     /// Bytes of `lo..hi` in readable and writable mappings (`/proc/self/maps`).
