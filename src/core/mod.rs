@@ -510,9 +510,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
     /// caller must allocate, copy and free.
     pub fn resize_in_place(&mut self, ptr: usize, new_size: usize) -> Result<Resize, FreeError> {
         let h = self.lookup_in_use(ptr)?;
-        let granule = self.config.granule;
-        let Some(want) = round_up(new_size.max(1), granule).filter(|&w| w <= isize::MAX as usize)
-        else {
+        let Some(want) = self.resized(new_size) else {
             return Ok(Resize::Moved);
         };
         let have = self.table.get(h).size();
@@ -542,24 +540,22 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
                 }),
             });
         }
-        let Some(n) = self.table.get(h).next else {
+        let Some((n, mut size)) = self.grow_plan(h, want) else {
             return Ok(Resize::Moved);
         };
-        let next = *self.table.get(n);
-        if next.in_use() || have + next.size() < want {
-            return Ok(Resize::Moved);
-        }
+        let next_size = self.table.get(n).size();
         self.bins
-            .remove(&mut self.table, n, next.size() >> self.granule_shift);
+            .remove(&mut self.table, n, next_size >> self.granule_shift);
         self.merge_next(h);
-        let total = have + next.size();
-        let mut size = total;
-        if self.should_split(total, want) {
-            if let Some(t) = self.split(h, want) {
-                let tsize = self.table.get(t).size();
-                self.bins
-                    .insert(&mut self.table, t, tsize >> self.granule_shift);
-                size = want;
+        if size < have + next_size {
+            // (The split cannot fail: the merge freed a record.)
+            match self.split(h, want) {
+                Some(t) => {
+                    let tsize = self.table.get(t).size();
+                    self.bins
+                        .insert(&mut self.table, t, tsize >> self.granule_shift);
+                }
+                None => size = have + next_size,
             }
         }
         self.stats.bytes_in_use += size - have;
@@ -574,24 +570,36 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
     /// it (the host arena) asks this first. Changes nothing.
     pub fn grown_end(&self, ptr: usize, new_size: usize) -> Option<usize> {
         let h = self.lookup_in_use(ptr).ok()?;
-        let c = self.table.get(h);
-        let want =
-            round_up(new_size.max(1), self.config.granule).filter(|&w| w <= isize::MAX as usize)?;
-        if want <= c.size() {
+        let want = self.resized(new_size)?;
+        if want <= self.table.get(h).size() {
             return None;
         }
-        let next = self.table.get(c.next?);
+        self.grow_plan(h, want).map(|(_, size)| ptr + size)
+    }
+
+    /// The size a resize to `new_size` bytes asks for: rounded up to the granule, `None` past
+    /// `isize::MAX`.
+    fn resized(&self, new_size: usize) -> Option<usize> {
+        round_up(new_size.max(1), self.config.granule).filter(|&w| w <= isize::MAX as usize)
+    }
+
+    /// How block `h` grows in place to `want` bytes (more than it has): the free chunk after it
+    /// that it takes, and its size once grown (`want`, or the whole merged chunk when the rest is
+    /// too small to split off). `None` when the next chunk is in use or too small.
+    fn grow_plan(&self, h: ChunkHandle, want: usize) -> Option<(ChunkHandle, usize)> {
+        let c = self.table.get(h);
+        let n = c.next?;
+        let next = self.table.get(n);
         let total = c.size() + next.size();
         if next.in_use() || total < want {
             return None;
         }
-        // (The split cannot fail: the merge frees a record first.)
         let size = if self.should_split(total, want) {
             want
         } else {
             total
         };
-        Some(ptr + size)
+        Some((n, size))
     }
 
     /// Moves every quick-listed chunk into the bins, coalescing it with free neighbours.
