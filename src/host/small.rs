@@ -611,7 +611,8 @@ impl SmallHeap {
                 block: ptr - (offset - idx * size),
             });
         }
-        if self.spans[i].bits[idx / 64] & (1 << (idx % 64)) == 0 {
+        // (`% WORDS` changes nothing for an object index and spares a bounds check.)
+        if self.spans[i].bits[idx / 64 % WORDS] & (1 << (idx % 64)) == 0 {
             return Err(SmallFree::DoubleFree);
         }
         Ok(Some((i, c, idx)))
@@ -636,12 +637,45 @@ impl SmallHeap {
     /// report). One call per batch: a thread cache's flush gives back a batch at a time.
     #[cfg_attr(not(feature = "std"), allow(dead_code))]
     pub(crate) fn free_batch(&mut self, c: usize, ptrs: &[usize]) -> (usize, SmallFree) {
+        // `free_of`'s checks with the class known: its size, divisor and capacity are looked up
+        // once, and the counters are updated once per run of plain frees.
+        let (size, recip, cap, tag) = (CLASS_SIZES[c] as usize, RECIP[c], capacity(c), c as u8 + 1);
+        let mut freed = 0;
         for (k, &p) in ptrs.iter().enumerate() {
-            match self.free_of(p, Some(c)) {
-                SmallFree::Freed(None) => {}
-                other => return (k + 1, other),
+            let at = p.wrapping_sub(self.arena);
+            let (i, offset) = (at >> SPAN_SHIFT, at & (SPAN - 1));
+            let idx = ((offset as u64 * recip) >> 32) as usize;
+            let (w, bit) = (idx / 64 % WORDS, 1u64 << (idx % 64));
+            let start = self.classes.get(i).is_some_and(|t| t.load(Relaxed) == tag)
+                && idx < cap
+                && idx * size == offset;
+            let Some(span) = self
+                .spans
+                .get_mut(i)
+                .filter(|span| start && span.bits[w] & bit != 0)
+            else {
+                // Not a live object of class `c`: `free_of` tells which error (and changes
+                // nothing).
+                self.bytes -= freed * size;
+                self.objects -= freed;
+                return (k + 1, self.free_of(p, Some(c)));
+            };
+            span.bits[w] &= !bit;
+            span.avail |= 1 << w;
+            span.free += 1;
+            freed += 1;
+            let free = span.free as usize;
+            if free == 1 || free == cap {
+                self.bytes -= freed * size;
+                self.objects -= freed;
+                freed = 0;
+                if let released @ SmallFree::Freed(Some(_)) = self.settle(c, i, free) {
+                    return (k + 1, released);
+                }
             }
         }
+        self.bytes -= freed * size;
+        self.objects -= freed;
         (ptrs.len(), SmallFree::Freed(None))
     }
 
@@ -657,12 +691,20 @@ impl SmallHeap {
         }
         let size = CLASS_SIZES[c] as usize;
         let span = &mut self.spans[i];
-        span.bits[idx / 64] &= !(1u64 << (idx % 64));
+        span.bits[idx / 64 % WORDS] &= !(1u64 << (idx % 64));
         span.avail |= 1 << (idx / 64);
         span.free += 1;
         let free = span.free as usize;
         self.bytes -= size;
         self.objects -= 1;
+        self.settle(c, i, free)
+    }
+
+    /// After a free left span `i` of class `c` with `free` free objects: a span that was full goes
+    /// back in its class's set (and becomes current if it is the lowest with room), and an empty
+    /// span that is not current goes back to the engine (`Freed(Some(base))`).
+    #[inline]
+    fn settle(&mut self, c: usize, i: usize, free: usize) -> SmallFree {
         if free == 1 {
             // It was full: back in the set, and current if it is now the lowest with room.
             self.sets.insert(c, i);
