@@ -258,16 +258,21 @@ fn stats_count_every_cached_block_and_a_release_drains_the_transfer_cache() {
 /// the registry.
 #[test]
 fn a_cache_rebound_after_its_instance_dropped_flushes_at_exit() {
-    let second: &'static GlobalBfc = Box::leak(Box::new(GlobalBfc::with_config(SMALL_ARENA)));
-    std::thread::spawn(move || {
-        let first = Box::new(GlobalBfc::with_config(SMALL_ARENA));
-        use_small(&first);
-        drop(first);
-        use_small(second);
-        assert!(second.thread_cache_bytes() > 0);
-    })
-    .join()
-    .unwrap();
+    let second = GlobalBfc::with_config(SMALL_ARENA);
+    // Joined inside the scope: `join` returns once the thread exited, its cache's exit flush
+    // included.
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                let first = Box::new(GlobalBfc::with_config(SMALL_ARENA));
+                use_small(&first);
+                drop(first);
+                use_small(&second);
+                assert!(second.thread_cache_bytes() > 0);
+            })
+            .join()
+            .unwrap();
+    });
     let s = second.stats();
     assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 0), "{s:?}");
     second.check().unwrap();
