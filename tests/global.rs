@@ -569,6 +569,29 @@ fn child_entry() {
                 A.flush_thread_cache();
             }
             #[cfg(feature = "std")]
+            "double_free_decayed" => {
+                // The block is twice on the 64-byte stack, not in a row. Traffic of another class
+                // only: the 64-byte class decays, and its blocks go back to the slab layer, which
+                // catches the second free.
+                let q = std::hint::black_box(alloc(l));
+                dealloc(p, l);
+                dealloc(q, l);
+                dealloc(std::hint::black_box(p), l);
+                let busy = Layout::from_size_align(3584, 8).unwrap();
+                let mut blocks = [std::ptr::null_mut(); 17];
+                for _ in 0..768 {
+                    for b in blocks.iter_mut() {
+                        *b = std::hint::black_box(alloc(busy));
+                    }
+                    for &b in &blocks {
+                        dealloc(b, busy);
+                    }
+                }
+                // Not caught: leave without the exit flush, which would catch it.
+                println!("child survived: {case}");
+                libc::_exit(0);
+            }
+            #[cfg(feature = "std")]
             "wrong_layout" => {
                 // A 64-byte block freed as a 16-byte one: its span is of another class, so it does
                 // not join the 16-byte stack (where the next 16-byte allocation would take it); the
@@ -670,6 +693,8 @@ fn large_block_double_free_and_interior_free_abort() {
 fn thread_cache_double_frees_abort() {
     assert_aborts("double_free_flushed", "double free of pointer");
     assert_aborts("double_free_interleaved", "double free of pointer");
+    // Caught when the block's class decays in a thread busy with another class.
+    assert_aborts("double_free_decayed", "double free of pointer");
     let (_, stderr) = run_child("double_free_interleaved");
     assert!(
         stderr.contains("holding a block twice"),

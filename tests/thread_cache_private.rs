@@ -277,3 +277,81 @@ fn a_cache_rebound_after_its_instance_dropped_flushes_at_exit() {
     assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 0), "{s:?}");
     second.check().unwrap();
 }
+
+/// Whether allocating one `l` block from `a` on this thread refilled the thread's cache (the
+/// class's stack was empty) rather than taking a cached block. Returns the block too.
+fn alloc_refilled(a: &GlobalBfc, l: Layout) -> (bool, usize) {
+    let before = a.thread_cache_bytes();
+    // SAFETY: a valid layout.
+    let p = unsafe { black_box(a.alloc(l)) } as usize;
+    assert_ne!(p, 0);
+    let after = a.thread_cache_bytes();
+    // A cached block leaves the cache; a refill adds a batch of blocks to it.
+    assert!(
+        after == before - l.size() || after > before,
+        "{before} -> {after}"
+    );
+    (after > before, p)
+}
+
+#[test]
+fn a_class_the_thread_stopped_using_drains_from_its_cache() {
+    std::thread::spawn(move || {
+        let a = Box::new(GlobalBfc::with_config(SMALL_ARENA));
+        let stale = Layout::from_size_align(4096, 8).unwrap();
+        let busy = Layout::from_size_align(3584, 8).unwrap();
+        // Eight blocks of the 4 KiB class: one refill, and after the frees its stack holds nine
+        // blocks (no flush).
+        let mut blocks = [0usize; 8];
+        for b in blocks.iter_mut() {
+            // SAFETY: a valid layout.
+            *b = unsafe { black_box(a.alloc(stale)) } as usize;
+        }
+        for &p in &blocks {
+            // SAFETY: allocated above with `stale`, freed once.
+            unsafe { a.dealloc(p as *mut u8, stale) };
+        }
+        let held = a.thread_cache_bytes();
+        assert_eq!(held, 9 * 4096);
+        // Seventeen allocations and frees of another class (16 blocks a stack) take at least one
+        // refill and one flush each round: 768 rounds make at least six decay periods, in which
+        // the 4 KiB class has no refill or flush and halves its stack in each: 9, 4, 2, 1, 0.
+        let mut busy_blocks = [0usize; 17];
+        for round in 0..768 {
+            for b in busy_blocks.iter_mut() {
+                // SAFETY: a valid layout.
+                *b = unsafe { black_box(a.alloc(busy)) } as usize;
+            }
+            for &p in &busy_blocks {
+                // SAFETY: allocated above with `busy`, freed once.
+                unsafe { a.dealloc(p as *mut u8, busy) };
+            }
+            if round == 0 {
+                // Not yet: the first period has not ended.
+                let (refilled, p) = alloc_refilled(&a, stale);
+                assert!(!refilled, "the 4 KiB class still had cached blocks");
+                // SAFETY: allocated just above with `stale`, freed once.
+                unsafe { a.dealloc(p as *mut u8, stale) };
+            }
+        }
+        let (refilled, p) = alloc_refilled(&a, stale);
+        assert!(
+            refilled,
+            "the 4 KiB class's stack should have drained: {} B cached",
+            a.thread_cache_bytes()
+        );
+        a.check().unwrap();
+        // SAFETY: allocated above with `stale`, freed once.
+        unsafe { a.dealloc(p as *mut u8, stale) };
+        // The drained blocks went back to the slab layer: none is in use, none lost.
+        let s = a.stats();
+        assert_eq!(s.bytes_in_use, 0, "{s:?}");
+        assert!(a.flush_thread_cache() > 0);
+        a.release_free_memory();
+        let s = a.stats();
+        assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 0), "{s:?}");
+        a.check().unwrap();
+    })
+    .join()
+    .unwrap();
+}

@@ -41,6 +41,8 @@
 //! - a block freed on another thread joins that thread's cache; a full cache gives half a stack to
 //!   a per-class transfer cache in the heap, which the next refill of that class takes whole (at most
 //!   two stacks per class, about 1.1 MiB in all);
+//! - every 256 refills and flushes of a thread's cache, each class that had none of them gives half
+//!   its blocks back to the slab layer, so a class the thread stopped using drains;
 //! - a thread's cache is flushed when the thread exits, and on demand by
 //!   [`GlobalBfc::flush_thread_cache`] (and [`GlobalBfc::release_free_memory`]);
 //! - blocks going back to the slab layer are checked there, and a block freed twice in a row on one
@@ -2261,7 +2263,21 @@ impl Heap {
         }
         tc.fill_reversed(c, &got[1..n]);
         self.note_peak(small::class_size(c));
+        self.note_slow(tc, c);
         got[0] as *mut u8
+    }
+
+    /// Counts a refill or flush of class `c` in the calling thread's cache `tc`; at the end of a
+    /// decay period, moves half the blocks of every class that had none back to the slab layer
+    /// (checked), so blocks a thread stopped using go back for any size to reuse.
+    fn note_slow(&mut self, tc: &ThreadCache, c: usize) {
+        if let Some(mut idle) = tc.note_slow(c) {
+            while idle != 0 {
+                let k = idle.trailing_zeros() as usize;
+                idle &= idle - 1;
+                self.flush_bin(tc, k, tc.count(k).div_ceil(2), false);
+            }
+        }
     }
 
     /// Moves `n` blocks of class `c` out of the calling thread's cache `tc`: into the transfer
@@ -2344,6 +2360,7 @@ impl Heap {
                     self.flush_bin(tc, c, tcache::batch(c), true);
                 }
                 tc.fill(c, p);
+                self.note_slow(tc, c);
             }
             // Not a live small block of class `c`: the pointer-based free reports a bad pointer, or
             // frees a block whose layout named another class.

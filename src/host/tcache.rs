@@ -12,6 +12,11 @@
 //!   next refill of the class takes them whole) or, when that is full, back to the slab layer, which
 //!   checks each one (live, an object start, of the stack's class), so a block that was freed twice
 //!   or with the wrong layout is reported there;
+//! - a class the thread stopped using decays: every [`DECAY_PERIOD`] (256) refills and flushes of
+//!   the thread's cache, any class that had none of them gives half its blocks back to the slab layer
+//!   (checked), so after a phase change a stale stack drains in a few periods and its spans can go
+//!   back to the engine for any size (a thread that stops allocating altogether keeps its cache until
+//!   it exits or flushes it);
 //! - a thread's whole cache goes back when the thread exits;
 //! - [`GlobalBfc::flush_thread_cache`](super::GlobalBfc::flush_thread_cache) empties it on demand.
 //!
@@ -26,8 +31,8 @@
 //! **Double frees.** A free of the block on top of its stack (a block freed twice in a row on one
 //! thread) is caught at once. Any other double free, and a free of a live block with a wrong small
 //! layout whose pointer is an object start of that class, is caught when the block reaches the slab
-//! layer (a flush that finds the transfer cache full, thread exit, `flush_thread_cache` or
-//! `release_free_memory`); until then the block may be handed out twice, as with jemalloc's and
+//! layer (a flush that finds the transfer cache full, the class's decay, thread exit,
+//! `flush_thread_cache` or `release_free_memory`); until then the block may be handed out twice, as with jemalloc's and
 //! tcmalloc's thread caches. Debug builds also check a free's layout against its span's class
 //! before the block joins a stack (see [`ThreadCache::plausible`]).
 //!
@@ -150,6 +155,13 @@ pub(crate) const fn batch(c: usize) -> usize {
     bin_capacity(c) / 2
 }
 
+/// Slow-path events (refills and flushes of any class) in one decay period of a thread's cache: at
+/// the end of each period, every class that had none of them gives back half its blocks.
+pub(crate) const DECAY_PERIOD: u32 = 256;
+
+// One bit per class in `ThreadCache::active`.
+static_assertions::const_assert!(NUM_CLASSES <= 32);
+
 /// One thread's cache. See the module docs.
 pub(crate) struct ThreadCache {
     /// Id of the bound instance, or [`UNBOUND`] / [`BINDING`] / [`DEAD`].
@@ -175,6 +187,10 @@ pub(crate) struct ThreadCache {
     /// The stacks: class `c`'s is `slots[STACK[c]..STACK[c] + counts[c]]`, top last;
     /// `slots[STACK[c] - 1]` is 0.
     slots: [Cell<usize>; CACHE_SLOTS],
+    /// Slow-path events in the current decay period (owner thread only).
+    events: Cell<u32>,
+    /// Bit `c`: class `c` had a slow-path event in the current decay period (owner thread only).
+    active: Cell<u32>,
 }
 
 impl ThreadCache {
@@ -192,6 +208,8 @@ impl ThreadCache {
                 next: AtomicUsize::new(0),
                 counts: [const { AtomicU32::new(0) }; NUM_CLASSES],
                 slots: [const { Cell::new(0) }; CACHE_SLOTS],
+                events: Cell::new(0),
+                active: Cell::new(0),
             }
         }
     }
@@ -343,11 +361,29 @@ impl ThreadCache {
         (bytes, blocks)
     }
 
+    /// Notes a slow-path event (a refill or a flush) of class `c` (owner thread only). At the end
+    /// of a decay period, returns the classes that had no such event in it (bit `c` for class
+    /// `c`), and starts the next period.
+    pub(crate) fn note_slow(&self, c: usize) -> Option<u32> {
+        let active = self.active.get() | 1 << c;
+        let events = self.events.get() + 1;
+        if events < DECAY_PERIOD {
+            self.events.set(events);
+            self.active.set(active);
+            return None;
+        }
+        self.events.set(0);
+        self.active.set(0);
+        Some(!active & (u32::MAX >> (32 - NUM_CLASSES)))
+    }
+
     /// Forgets every block (their instance is gone) and unbinds.
     pub(crate) fn forget(&self) {
         for c in 0..NUM_CLASSES {
             self.set_count(c, 0);
         }
+        self.events.set(0);
+        self.active.set(0);
         self.owner.set(UNBOUND);
         self.orphaned.store(false, Ordering::Relaxed);
     }
@@ -503,6 +539,35 @@ mod tests {
         // The figure the module docs and the README quote.
         assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 575);
         assert_eq!((CACHE_SLOTS * 8).div_ceil(1024), 14);
+    }
+
+    #[test]
+    fn a_decay_period_names_the_classes_without_slow_events() {
+        let tc = ThreadCache::new();
+        let all = (1u32 << NUM_CLASSES) - 1;
+        for period in 0..3 {
+            // Classes 2 and the last are used, once and twice; the rest idle.
+            let last = NUM_CLASSES - 1;
+            assert_eq!(tc.note_slow(2), None);
+            assert_eq!(tc.note_slow(last), None);
+            for _ in 2..DECAY_PERIOD - 1 {
+                assert_eq!(tc.note_slow(last), None, "period {period}");
+            }
+            let idle = tc.note_slow(last).expect("the period's last event");
+            assert_eq!(idle, all & !(1 << 2 | 1 << last), "period {period}");
+        }
+        // A new period starts with no class active.
+        for _ in 0..DECAY_PERIOD - 1 {
+            assert_eq!(tc.note_slow(0), None);
+        }
+        assert_eq!(tc.note_slow(0), Some(all & !1));
+        // Forgetting the blocks also restarts the period.
+        assert_eq!(tc.note_slow(5), None);
+        tc.forget();
+        for _ in 0..DECAY_PERIOD - 1 {
+            assert_eq!(tc.note_slow(0), None);
+        }
+        assert_eq!(tc.note_slow(0), Some(all & !1));
     }
 
     #[test]
