@@ -6,8 +6,9 @@
 //! - `pairs`: allocate 32 bytes, write, free.
 //! - `vec`: a `Vec<u64>` pushed from empty to 2^20 elements, 200 times (realloc growth).
 //! - `large`: the churn over 64 blocks of 64 KiB..=16 MiB.
-//! - `churn2`, `churn4`: the churn in 2 / 4 threads, each with its own live set; wall time of the
-//!   measured loops over the steps of one thread.
+//! - `churn2`, `churn4`, `churn16`: the churn in 2 / 4 / 16 threads, each with its own live set;
+//!   wall time of the measured loops over the steps of one thread (16 threads on a 2-core machine:
+//!   a lock holder is often descheduled).
 //! - `achurn2`: `churn2` with every block aligned to 64 bytes (cache-line padded values).
 //! - `xfree`: one thread allocates (8..=512 bytes) and sends batches of 256 to one that frees them;
 //!   wall time per object.
@@ -28,6 +29,7 @@ pub const WORKLOADS: &[(&str, &str)] = &[
     ("large", "ns/step"),
     ("churn2", "ns/step/thread"),
     ("churn4", "ns/step/thread"),
+    ("churn16", "ns/step/thread"),
     ("achurn2", "ns/step/thread"),
     ("xfree", "ns/object"),
     ("json", "ms/round (11.5 MB parse + serialize)"),
@@ -257,6 +259,7 @@ pub fn main() {
         "large" => churn(3, 64, 64 << 10, 16 << 20, 100_000),
         "churn2" => threaded_churn(2, 2_000_000, 8),
         "churn4" => threaded_churn(4, 750_000, 8),
+        "churn16" => threaded_churn(16, 200_000, 8),
         "achurn2" => threaded_churn(2, 2_000_000, 64),
         "xfree" => cross_thread_free(2_000_000),
         "json" => json(2),
