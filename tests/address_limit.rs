@@ -158,6 +158,38 @@ fn no_room_for_the_smallest_arena_is_reported() {
     assert_eq!(a.arena_size(), 0);
 }
 
+/// The arena tried last is the configured minimum (rounded up to 2 MiB), not the last halving
+/// step above it: a 64 MiB arena with a 24 MiB minimum tries 64, 32, then 24 MiB. (Before, halving
+/// stopped at 32 MiB, the first step whose half was below the minimum: with room for 24 MiB but
+/// not 32, every allocation failed.)
+#[test]
+fn the_smallest_arena_tried_is_the_minimum() {
+    if let Some(out) = run_in_child("the_smallest_arena_tried_is_the_minimum") {
+        assert!(out.contains("arena of 24 MiB"), "{out}");
+        assert!(!out.contains("bfc-alloc: warning"), "{out}");
+        return;
+    }
+    // Room for a 24 MiB arena (and its 2 MiB of alignment slack and small metadata), not for 32.
+    limit_address_space(31 << 20);
+    let a = GlobalBfc::with_config(HostConfig {
+        arena_size: 64 << 20,
+        min_arena_size: 24 << 20,
+        chunk_capacity: 1 << 10,
+        ..HostConfig::DEFAULT
+    });
+    let l = Layout::from_size_align(20 << 20, 8).unwrap();
+    // SAFETY: a non-zero layout; the block is written within its size and freed with it.
+    unsafe {
+        let p = a.alloc(l);
+        assert!(!p.is_null(), "no heap with room for the minimum arena");
+        p.write_bytes(1, 20 << 20);
+        a.dealloc(p, l);
+    }
+    println!("arena of {} MiB", a.arena_size() >> 20);
+    assert_eq!(a.arena_size(), 24 << 20);
+    a.check().unwrap();
+}
+
 /// Under a data limit 96 MiB above what the process uses, the default heap still reserves its full
 /// arena (reserved memory is not data until committed), and hands out about as much as the limit
 /// allows: then allocations return null, not a crash, and work again after frees. (Before the

@@ -1233,10 +1233,13 @@ impl Heap {
         let budget = os::address_space_left() / 2;
         // Whole steps of `ARENA_ALIGN`, rounded up so that the arena is never below
         // `min_arena_size` (a size that cannot be rounded up is halved like a refusal, below).
-        let mut arena_size = config
-            .arena_size
-            .checked_next_multiple_of(ARENA_ALIGN)
-            .unwrap_or(usize::MAX & !(ARENA_ALIGN - 1));
+        let round_up = |size: usize| {
+            size.checked_next_multiple_of(ARENA_ALIGN)
+                .unwrap_or(usize::MAX & !(ARENA_ALIGN - 1))
+        };
+        let mut arena_size = round_up(config.arena_size);
+        // The arena tried last.
+        let smallest = round_up(config.min_arena_size);
         // Both reservations or neither: when the metadata does not fit beside an arena, a smaller
         // arena (with a smaller map and table) is tried.
         let (arena_mapping, arena_mapping_size, capacity, meta, meta_mapping) = loop {
@@ -1244,8 +1247,7 @@ impl Heap {
                 .chunk_capacity
                 .min((arena_size / ARENA_BYTES_PER_RECORD).max(MIN_RECORDS));
             let meta = MetaLayout::new(arena_size, capacity, block, page);
-            let half = arena_size / 2;
-            let last = half < config.min_arena_size;
+            let last = arena_size <= smallest;
             // (A size near `usize::MAX` cannot be reserved either: halve it like a refusal.)
             let want = arena_size.checked_add(ARENA_ALIGN);
             let within = want
@@ -1281,10 +1283,11 @@ impl Heap {
                 ));
                 return None;
             }
-            // Never below `min_arena_size`: rounded up to `ARENA_ALIGN`, the half stays below the
-            // size just tried (a multiple of `ARENA_ALIGN` of at least twice the minimum), so the
-            // loop ends.
-            arena_size = half.next_multiple_of(ARENA_ALIGN);
+            // Half the size just tried, but never below the smallest arena, which is tried last
+            // (a 64 MiB arena with a 24 MiB minimum tries 64, 32, then 24 MiB). The size just
+            // tried is a multiple of `ARENA_ALIGN` above `smallest`, so at least twice
+            // `ARENA_ALIGN`: its half rounded up is smaller, and the loop ends.
+            arena_size = (arena_size / 2).next_multiple_of(ARENA_ALIGN).max(smallest);
         };
         let arena = (arena_mapping.as_ptr() as usize).next_multiple_of(ARENA_ALIGN);
         let MetaLayout {
