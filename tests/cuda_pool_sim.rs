@@ -30,6 +30,70 @@ fn alloc(
 const A: SimStream = SimStream(1);
 const B: SimStream = SimStream(2);
 
+/// The system allocator, counting the allocations of each thread (tests run in parallel).
+struct Counting;
+
+std::thread_local! {
+    static HOST_ALLOCS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+// SAFETY: every call goes to `System` unchanged; the counter is a const-initialised thread local
+// (no allocation, no destructor).
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        let _ = HOST_ALLOCS.try_with(|n| n.set(n.get() + 1));
+        // SAFETY: the caller's contract, passed on.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new: usize) -> *mut u8 {
+        let _ = HOST_ALLOCS.try_with(|n| n.set(n.get() + 1));
+        // SAFETY: the caller's contract, passed on.
+        unsafe { std::alloc::System.realloc(ptr, layout, new) }
+    }
+}
+
+#[global_allocator]
+static COUNTING: Counting = Counting;
+
+/// Host allocations (and reallocations) of this thread while `f` runs.
+fn host_allocs(f: impl FnOnce()) -> usize {
+    let before = HOST_ALLOCS.with(|n| n.get());
+    f();
+    HOST_ALLOCS.with(|n| n.get()) - before
+}
+
+/// A pool hit (a stream frees a buffer and allocates it again) takes no host memory, nor does a
+/// step that allocates 64 buffers and frees them all, once the pool has seen one such step.
+#[test]
+fn pool_hits_allocate_no_host_memory() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    drop(alloc(&p, A, 256).unwrap());
+    let pairs = host_allocs(|| {
+        for _ in 0..1000 {
+            let x = alloc(&p, A, 256).unwrap();
+            assert_eq!(p.stats().pending_blocks, 0, "not a hit");
+            drop(x);
+        }
+    });
+    assert_eq!(pairs, 0, "host allocations in 1000 pool hits");
+    let mut bufs = Vec::with_capacity(64);
+    bufs.extend((0..64).map(|i| alloc(&p, A, 256 << (i % 8)).unwrap()));
+    bufs.clear();
+    let steps = host_allocs(|| {
+        for _ in 0..10 {
+            bufs.extend((0..64).map(|i| alloc(&p, A, 256 << (i % 8)).unwrap()));
+            bufs.clear();
+        }
+    });
+    assert_eq!(steps, 0, "host allocations in 10 steps of 64 buffers");
+    p.check().unwrap();
+}
+
 #[test]
 fn growth_starts_small_and_doubles() {
     let dev = SimDevice::new(4 * GIB);
@@ -1275,8 +1339,9 @@ impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
     }
 }
 
-/// The pool keeps a stream's handle only while it has pending blocks of that stream: a queue left
-/// empty (by same-stream reuse, or by a poll) lets the handle go.
+/// The pool keeps a stream's handle only while it has pending blocks of that stream, or until the
+/// next poll after an allocation emptied its queue (so that a pool hit, alloc and free in turn,
+/// keeps its queue): then the handle goes.
 #[test]
 fn pending_queues_let_their_stream_handle_go_once_empty() {
     let dev = SimDevice::new(GIB);
@@ -1292,14 +1357,20 @@ fn pending_queues_let_their_stream_handle_go_once_empty() {
     assert_eq!(handles(), 1, "the buffer's");
     drop(x);
     assert_eq!(handles(), 1, "the pending queue's");
-    // Same-stream reuse empties the queue.
+    // Same-stream reuse empties the queue, which stays until the next poll.
     // SAFETY: as above.
     let y = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
+    assert_eq!(handles(), 2, "the buffer's and the emptied queue's");
+    // An allocation on another stream polls: the emptied queue goes.
+    let b = Counted(B, Arc::new(()));
+    // SAFETY: as above.
+    let on_b = unsafe { p.alloc::<u8>(&b, MIB) }.unwrap();
     assert_eq!(
         handles(),
         1,
-        "an empty queue kept its stream handle after a reuse"
+        "an emptied queue kept its stream handle after a poll"
     );
+    drop(on_b);
     // A poll empties it.
     dev.enqueue(A);
     drop(y);

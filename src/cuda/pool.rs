@@ -25,6 +25,13 @@ pub(crate) const EVENT_CACHE: usize = 256;
 /// Pending blocks of its own stream an allocation looks through at most, newest first.
 const TAKE_SCAN: usize = 256;
 
+/// Emptied block lists and batch queues kept for reuse, at most, of each.
+const SPARES: usize = 16;
+
+/// Block lists with room for more than this are not kept for reuse (a batch is usually at most
+/// [`OPEN_LIMIT`] + 1 blocks).
+const SPARE_BLOCKS_CAPACITY: usize = 64;
+
 /// How much device memory a pool may take.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum MemoryLimit {
@@ -162,12 +169,51 @@ impl<S, E> Queue<S, E> {
     }
 }
 
+/// Emptied block lists and batch queues, kept so that a stream that frees a buffer and allocates
+/// it again (a pool hit) allocates no host memory for its pending list.
+struct Spares<E> {
+    blocks: Vec<Vec<(usize, usize)>>,
+    batches: Vec<VecDeque<Batch<E>>>,
+}
+
+impl<E> Spares<E> {
+    /// An empty block list holding `block`.
+    fn blocks_with(&mut self, block: (usize, usize)) -> Vec<(usize, usize)> {
+        let mut v = self.blocks.pop().unwrap_or_default();
+        v.push(block);
+        v
+    }
+
+    /// Keeps an emptied (or to be emptied) block list for reuse.
+    fn put_blocks(&mut self, mut v: Vec<(usize, usize)>) {
+        if self.blocks.len() < SPARES && v.capacity() <= SPARE_BLOCKS_CAPACITY {
+            v.clear();
+            self.blocks.push(v);
+        }
+    }
+
+    /// An empty batch queue.
+    fn batches(&mut self) -> VecDeque<Batch<E>> {
+        self.batches.pop().unwrap_or_default()
+    }
+
+    /// Keeps an emptied batch queue for reuse.
+    fn put_batches(&mut self, q: VecDeque<Batch<E>>) {
+        debug_assert!(q.is_empty());
+        if self.batches.len() < SPARES && q.capacity() <= SPARES {
+            self.batches.push(q);
+        }
+    }
+}
+
 /// Everything behind the pool's lock.
 pub(crate) struct State<B: DeviceBackend> {
     bfc: Bfc<DeviceSource<B>, Vec<Chunk>>,
     /// Freed blocks waiting for their stream, one queue per stream with any. Invariants: each block
-    /// is in use in `bfc`, and no queue is empty.
+    /// is in use in `bfc`, and no queue is empty, except one that an allocation emptied, until the
+    /// next poll (the next allocation or free) drops it.
     queues: Vec<Queue<B::Stream, B::Event>>,
+    spares: Spares<B::Event>,
     /// Blocks freed while the driver could neither order nor wait for their uses: kept in use in
     /// the engine forever.
     stranded_bytes: usize,
@@ -208,7 +254,7 @@ impl<B: DeviceBackend> State<B> {
         self.queues.iter().position(|q| q.stream_id == sid)
     }
 
-    /// Returns a batch's blocks to the engine and recycles its event.
+    /// Returns a batch's blocks to the engine and recycles its event and its block list.
     fn release_batch(&mut self, batch: Batch<B::Event>) {
         for &(ptr, _) in &batch.blocks {
             if let Err(e) = self.bfc.deallocate(ptr) {
@@ -216,6 +262,13 @@ impl<B: DeviceBackend> State<B> {
             }
         }
         self.recycle(batch.order);
+        self.spares.put_blocks(batch.blocks);
+    }
+
+    /// Removes queue `qi` (without blocks left) and keeps its batch queue for reuse.
+    fn remove_queue(&mut self, qi: usize) {
+        let q = self.queues.swap_remove(qi);
+        self.spares.put_batches(q.batches);
     }
 
     fn recycle(&mut self, order: Order<B::Event>) {
@@ -226,7 +279,14 @@ impl<B: DeviceBackend> State<B> {
 
     /// Drops the queues left without blocks (and so their stream handles).
     fn drop_empty_queues(&mut self) {
-        self.queues.retain(|q| !q.batches.is_empty());
+        let mut qi = 0;
+        while qi < self.queues.len() {
+            if self.queues[qi].batches.is_empty() {
+                self.remove_queue(qi);
+            } else {
+                qi += 1;
+            }
+        }
     }
 
     /// Adds the block at `ptr` (of `size` bytes), freed on `stream`, to its stream's open blocks.
@@ -235,10 +295,11 @@ impl<B: DeviceBackend> State<B> {
         let qi = match self.queue_of(sid) {
             Some(qi) => qi,
             None => {
+                let batches = self.spares.batches();
                 self.queues.push(Queue {
                     stream_id: sid,
                     stream: stream.clone(),
-                    batches: VecDeque::new(),
+                    batches,
                 });
                 self.queues.len() - 1
             }
@@ -248,7 +309,7 @@ impl<B: DeviceBackend> State<B> {
             Some(b) if matches!(b.order, Order::Open) => b.blocks.push((ptr, size)),
             _ => q.batches.push_back(Batch {
                 order: Order::Open,
-                blocks: std::vec![(ptr, size)],
+                blocks: self.spares.blocks_with((ptr, size)),
             }),
         }
     }
@@ -281,10 +342,10 @@ impl<B: DeviceBackend> State<B> {
         let stream = self.queues[qi].stream.clone();
         match self.backend().stream_done(&stream) {
             Ok(true) => {
-                let q = self.queues.swap_remove(qi);
-                for b in q.batches {
+                while let Some(b) = self.queues[qi].batches.pop_front() {
                     self.release_batch(b);
                 }
+                self.remove_queue(qi);
                 return true;
             }
             Ok(false) => {}
@@ -298,15 +359,17 @@ impl<B: DeviceBackend> State<B> {
             }
         };
         // An event recorded now also covers the unordered blocks freed before it: one batch.
+        let mut blocks = self.spares.blocks.pop().unwrap_or_default();
         let q = &mut self.queues[qi];
-        let mut blocks = Vec::with_capacity(q.open());
+        blocks.reserve(q.open());
         while q
             .batches
             .back()
             .is_some_and(|b| !matches!(b.order, Order::Event(_)))
         {
             if let Some(b) = q.batches.pop_back() {
-                blocks.extend(b.blocks);
+                blocks.extend_from_slice(&b.blocks);
+                self.spares.put_blocks(b.blocks);
             }
         }
         q.batches.push_back(Batch { order, blocks });
@@ -344,22 +407,22 @@ impl<B: DeviceBackend> State<B> {
     fn poll_pending(&mut self) {
         let mut emptied = false;
         for qi in 0..self.queues.len() {
-            while let Some(b) = self.queues[qi].batches.pop_front() {
-                let done = match &b.order {
-                    Order::Event(ev) => match self.backend().event_done(ev) {
-                        Ok(d) => d,
-                        Err(e) => {
-                            self.defer(PoolError::Backend(e));
-                            false
-                        }
-                    },
-                    Order::Open | Order::Unordered => false,
-                };
-                if done {
+            // Only a batch with an event can be done (open and unordered ones come last).
+            while let Some(Batch {
+                order: Order::Event(ev),
+                ..
+            }) = self.queues[qi].batches.front()
+            {
+                match self.bfc.source_mut().backend.event_done(ev) {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(e) => {
+                        self.defer(PoolError::Backend(e));
+                        break;
+                    }
+                }
+                if let Some(b) = self.queues[qi].batches.pop_front() {
                     self.release_batch(b);
-                } else {
-                    self.queues[qi].batches.push_front(b);
-                    break;
                 }
             }
             emptied |= self.queues[qi].batches.is_empty();
@@ -464,10 +527,10 @@ impl<B: DeviceBackend> State<B> {
         if b.blocks.is_empty() {
             if let Some(b) = q.batches.remove(bi) {
                 self.recycle(b.order);
+                self.spares.put_blocks(b.blocks);
             }
-            if self.queues[qi].batches.is_empty() {
-                self.queues.swap_remove(qi);
-            }
+            // A queue left empty stays until the next poll: a stream that frees the buffer it
+            // just got (a pool hit, alloc and free in turn) keeps its queue.
         }
         Some((ptr, size))
     }
@@ -657,6 +720,10 @@ impl<B: DeviceBackend> DevicePool<B> {
                 state: Mutex::new(State {
                     bfc,
                     queues: Vec::new(),
+                    spares: Spares {
+                        blocks: Vec::with_capacity(SPARES),
+                        batches: Vec::with_capacity(SPARES),
+                    },
                     stranded_bytes: 0,
                     errors: Vec::new(),
                 }),

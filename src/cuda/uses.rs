@@ -94,6 +94,9 @@ pub(crate) struct Protocol<O: UseOps> {
     synced: AtomicBool,
     /// Other contexts the buffer was used in (behind `lock`), waited for at the free.
     contexts: Mutex<Vec<O::Context>>,
+    /// Whether `contexts` has any (so that a buffer used only on same-context streams takes no
+    /// lock at its free).
+    any_contexts: AtomicBool,
     /// The first failure to order a use by events: the free then waits for the whole context.
     unordered: OnceLock<BackendError>,
 }
@@ -107,6 +110,7 @@ impl<O: UseOps> Default for Protocol<O> {
             foreign: AtomicBool::new(false),
             synced: AtomicBool::new(false),
             contexts: Mutex::new(Vec::new()),
+            any_contexts: AtomicBool::new(false),
             unordered: OnceLock::new(),
         }
     }
@@ -168,6 +172,9 @@ impl<O: UseOps> Protocol<O> {
     /// Waits for each other context the buffer was used in that holds a recorded error (a guard's
     /// wait there may have been skipped).
     fn sync_unmarked_contexts(&self, ops: &O) -> Result<(), BackendError> {
+        if !self.any_contexts.load(Ordering::Acquire) {
+            return Ok(());
+        }
         let contexts = self.contexts.lock().unwrap_or_else(PoisonError::into_inner);
         for ctx in contexts.iter() {
             if ops.context_error(ctx).is_err() {
@@ -216,6 +223,7 @@ impl<O: UseOps> Protocol<O> {
             let mut contexts = self.contexts.lock().unwrap_or_else(PoisonError::into_inner);
             if !contexts.iter().any(|c| ops.in_context(other, c)) {
                 contexts.push(ops.context(other));
+                self.any_contexts.store(true, Ordering::Release);
             }
             EndOfUse::Sync(other)
         };
