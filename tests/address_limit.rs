@@ -158,6 +158,32 @@ fn no_room_for_the_smallest_arena_is_reported() {
     assert_eq!(a.arena_size(), 0);
 }
 
+/// The warning names the size of the arena tried last: the minimum rounded up to 2 MiB (10 MiB for
+/// a 9 MiB minimum).
+#[test]
+fn the_warning_names_the_arena_tried_last() {
+    if let Some(out) = run_in_child("the_warning_names_the_arena_tried_last") {
+        assert_eq!(
+            out.matches("bfc-alloc: warning: cannot reserve a heap arena of 10 MiB")
+                .count(),
+            1,
+            "{out}"
+        );
+        return;
+    }
+    limit_address_space(8 << 20);
+    let a = GlobalBfc::with_config(HostConfig {
+        arena_size: 64 << 20,
+        min_arena_size: 9 << 20,
+        chunk_capacity: 1 << 10,
+        ..HostConfig::DEFAULT
+    });
+    let l = Layout::from_size_align(100, 8).unwrap();
+    // SAFETY: a non-zero layout; nothing is returned to free.
+    assert!(unsafe { a.alloc(l) }.is_null());
+    assert_eq!(a.arena_size(), 0);
+}
+
 /// The arena tried last is the configured minimum (rounded up to 2 MiB), not the last halving
 /// step above it: a 64 MiB arena with a 24 MiB minimum tries 64, 32, then 24 MiB. (Before, halving
 /// stopped at 32 MiB, the first step whose half was below the minimum: with room for 24 MiB but

@@ -94,6 +94,29 @@ fn pool_hits_allocate_no_host_memory() {
     p.check().unwrap();
 }
 
+/// A synchronisation that waits for a busy stream's pending blocks keeps that stream's queue
+/// storage for reuse: the hits after it allocate no host memory either.
+#[test]
+fn pool_hits_after_a_synchronisation_allocate_no_host_memory() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    // A buffer on B, so that A's queue is not the only storage around.
+    let _keep = alloc(&p, B, 256).unwrap();
+    drop(alloc(&p, A, 256).unwrap());
+    for _ in 0..3 {
+        let x = alloc(&p, A, 256).unwrap();
+        dev.enqueue(A);
+        drop(x);
+        p.synchronize();
+        let n = host_allocs(|| {
+            for _ in 0..100 {
+                drop(alloc(&p, A, 256).unwrap());
+            }
+        });
+        assert_eq!(n, 0, "host allocations in 100 hits after a synchronisation");
+    }
+}
+
 #[test]
 fn growth_starts_small_and_doubles() {
     let dev = SimDevice::new(4 * GIB);

@@ -28,6 +28,9 @@ const TAKE_SCAN: usize = 256;
 /// Emptied block lists and batch queues kept for reuse, at most, of each.
 const SPARES: usize = 16;
 
+/// Batch queues with room for more than this many batches are not kept for reuse.
+const SPARE_BATCHES_CAPACITY: usize = 16;
+
 /// Block lists with room for more than this are not kept for reuse (a batch is usually at most
 /// [`OPEN_LIMIT`] + 1 blocks).
 const SPARE_BLOCKS_CAPACITY: usize = 64;
@@ -151,8 +154,10 @@ struct Batch<E> {
 /// come first (events of one stream complete in order), the open and unordered ones after them.
 struct Queue<S, E> {
     stream_id: u64,
-    /// Kept alive while blocks are pending, so that an event can still be recorded on it, and the
-    /// id of a stream the pool's handles own cannot be reused by a new stream meanwhile.
+    /// Kept alive while blocks are pending (and, once an allocation took the last of them, until
+    /// the next allocation, free, trim or synchronisation), so that an event can still be recorded
+    /// on it, and the id of a stream the pool's handles own cannot be reused by a new stream
+    /// meanwhile.
     stream: S,
     batches: VecDeque<Batch<E>>,
 }
@@ -177,7 +182,7 @@ struct Spares<E> {
 }
 
 impl<E> Spares<E> {
-    /// An empty block list holding `block`.
+    /// A block list (a spare one if there is one) holding only `block`.
     fn blocks_with(&mut self, block: (usize, usize)) -> Vec<(usize, usize)> {
         let mut v = self.blocks.pop().unwrap_or_default();
         v.push(block);
@@ -200,7 +205,7 @@ impl<E> Spares<E> {
     /// Keeps an emptied batch queue for reuse.
     fn put_batches(&mut self, q: VecDeque<Batch<E>>) {
         debug_assert!(q.is_empty());
-        if self.batches.len() < SPARES && q.capacity() <= SPARES {
+        if self.batches.len() < SPARES && (1..=SPARE_BATCHES_CAPACITY).contains(&q.capacity()) {
             self.batches.push(q);
         }
     }
@@ -210,8 +215,9 @@ impl<E> Spares<E> {
 pub(crate) struct State<B: DeviceBackend> {
     bfc: Bfc<DeviceSource<B>, Vec<Chunk>>,
     /// Freed blocks waiting for their stream, one queue per stream with any. Invariants: each block
-    /// is in use in `bfc`, and no queue is empty, except one that an allocation emptied, until the
-    /// next poll (the next allocation or free) drops it.
+    /// is in use in `bfc`, and no queue is empty, except one that an allocation emptied: the next
+    /// free on its stream fills it again, and the next poll (an allocation, a free on another
+    /// stream, a trim or a synchronisation) drops it.
     queues: Vec<Queue<B::Stream, B::Event>>,
     spares: Spares<B::Event>,
     /// Blocks freed while the driver could neither order nor wait for their uses: kept in use in
@@ -453,8 +459,11 @@ impl<B: DeviceBackend> State<B> {
             }
         }
         for qi in 0..self.queues.len() {
-            let batches = core::mem::take(&mut self.queues[qi].batches);
-            for b in batches {
+            // Each batch once, in place (the queue keeps its storage for reuse).
+            for _ in 0..self.queues[qi].batches.len() {
+                let Some(b) = self.queues[qi].batches.pop_front() else {
+                    break;
+                };
                 let ok = device_synced
                     || match &b.order {
                         Order::Open | Order::Unordered => false,

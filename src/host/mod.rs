@@ -1279,7 +1279,7 @@ impl Heap {
                     "cannot reserve a heap arena of {} MiB or more (the kernel refused the \
                      address space or its first pages: an address-space or commit limit?); every \
                      allocation from this allocator fails",
-                    config.min_arena_size >> 20
+                    smallest >> 20
                 ));
                 return None;
             }
