@@ -135,21 +135,18 @@ fn a_limited_address_space_gets_a_smaller_arena() {
     a.check().unwrap();
 }
 
-/// When not even the smallest arena fits, every allocation fails, and standard error says why
-/// (once).
-#[test]
-fn no_room_for_the_smallest_arena_is_reported() {
-    if let Some(out) = run_in_child("no_room_for_the_smallest_arena_is_reported") {
-        assert_eq!(
-            out.matches("bfc-alloc: warning: cannot reserve a heap arena of 16 MiB")
-                .count(),
-            1,
-            "{out}"
-        );
+/// In a child process (run as `test`) with 8 MiB of address space left: every allocation from a
+/// heap with `config` fails, and standard error says why, once, naming the arena tried last
+/// (`tried_last` MiB).
+fn no_room_is_reported(test: &str, config: HostConfig, tried_last: usize) {
+    if let Some(out) = run_in_child(test) {
+        let warning =
+            format!("bfc-alloc: warning: cannot reserve a heap arena of {tried_last} MiB");
+        assert_eq!(out.matches(&warning).count(), 1, "{out}");
         return;
     }
     limit_address_space(8 << 20);
-    let a = GlobalBfc::new();
+    let a = GlobalBfc::with_config(config);
     let l = Layout::from_size_align(100, 8).unwrap();
     for _ in 0..3 {
         // SAFETY: a non-zero layout; nothing is returned to free.
@@ -158,30 +155,28 @@ fn no_room_for_the_smallest_arena_is_reported() {
     assert_eq!(a.arena_size(), 0);
 }
 
+/// When not even the smallest arena fits, every allocation fails, and standard error says why
+/// (once).
+#[test]
+fn no_room_for_the_smallest_arena_is_reported() {
+    no_room_is_reported(
+        "no_room_for_the_smallest_arena_is_reported",
+        HostConfig::DEFAULT,
+        16,
+    );
+}
+
 /// The warning names the size of the arena tried last: the minimum rounded up to 2 MiB (10 MiB for
 /// a 9 MiB minimum).
 #[test]
 fn the_warning_names_the_arena_tried_last() {
-    if let Some(out) = run_in_child("the_warning_names_the_arena_tried_last") {
-        assert_eq!(
-            out.matches("bfc-alloc: warning: cannot reserve a heap arena of 10 MiB")
-                .count(),
-            1,
-            "{out}"
-        );
-        return;
-    }
-    limit_address_space(8 << 20);
-    let a = GlobalBfc::with_config(HostConfig {
+    let config = HostConfig {
         arena_size: 64 << 20,
         min_arena_size: 9 << 20,
         chunk_capacity: 1 << 10,
         ..HostConfig::DEFAULT
-    });
-    let l = Layout::from_size_align(100, 8).unwrap();
-    // SAFETY: a non-zero layout; nothing is returned to free.
-    assert!(unsafe { a.alloc(l) }.is_null());
-    assert_eq!(a.arena_size(), 0);
+    };
+    no_room_is_reported("the_warning_names_the_arena_tried_last", config, 10);
 }
 
 /// The arena tried last is the configured minimum (rounded up to 2 MiB), not the last halving
