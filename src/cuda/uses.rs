@@ -25,6 +25,7 @@
 //! Once a context's recorded error is taken out (`check_err`), nothing tells that a guard skipped
 //! its record or wait: the docs ask users to synchronise the stream of such a call first.
 
+use std::boxed::Box;
 use std::sync::{OnceLock, PoisonError};
 use std::vec::Vec;
 
@@ -80,8 +81,69 @@ pub(crate) enum EndOfUse<'a, O: UseOps + ?Sized> {
     Sync(&'a O::Stream),
 }
 
-/// One buffer's record of its uses on other streams.
+/// One buffer's record of its uses on other streams: nothing until the first such use, so a buffer
+/// used only on its home stream carries one word and a flag, and its free and its home-stream uses
+/// look at nothing else.
 pub(crate) struct Protocol<O: UseOps> {
+    record: OnceLock<Box<Record<O>>>,
+}
+
+impl<O: UseOps> Default for Protocol<O> {
+    fn default() -> Self {
+        Protocol {
+            record: OnceLock::new(),
+        }
+    }
+}
+
+impl<O: UseOps> core::fmt::Debug for Protocol<O> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self.record.get() {
+            Some(r) => r.fmt(f),
+            None => f.write_str("Uses { none on other streams }"),
+        }
+    }
+}
+
+impl<O: UseOps> Protocol<O> {
+    /// See [`Record::before_home_use`]; nothing to do before any use on another stream.
+    pub(crate) fn before_home_use(&self, ops: &O, home: &O::Stream) -> Result<(), BackendError> {
+        match self.record.get() {
+            Some(r) => r.before_home_use(ops, home),
+            None => Ok(()),
+        }
+    }
+
+    /// See [`Record::enter`]. The first use on another stream creates the record (a host
+    /// allocation); a use on the home stream never does.
+    pub(crate) fn enter<'a>(
+        &'a self,
+        ops: &O,
+        home: &'a O::Stream,
+        other: &'a O::Stream,
+    ) -> EndOfUse<'a, O> {
+        let home_stream = ops.same_context(home, other) && ops.same_stream(home, other);
+        match self.record.get() {
+            Some(r) => r.enter(ops, home, other),
+            None if home_stream => EndOfUse::Nothing,
+            None => self
+                .record
+                .get_or_init(|| Box::new(Record::default()))
+                .enter(ops, home, other),
+        }
+    }
+
+    /// See [`Record::finish`]; nothing to do if the buffer was never used on another stream.
+    pub(crate) fn finish(&self, ops: &O, home: &O::Stream) -> Result<(), UsesError> {
+        match self.record.get() {
+            Some(r) => r.finish(ops, home),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The record of a buffer's uses on other streams.
+struct Record<O: UseOps> {
     /// Serialises the bookkeeping of concurrent uses.
     lock: Mutex<()>,
     /// Recorded on the home stream before a foreign use; the foreign stream waits for it.
@@ -101,9 +163,9 @@ pub(crate) struct Protocol<O: UseOps> {
     unordered: OnceLock<BackendError>,
 }
 
-impl<O: UseOps> Default for Protocol<O> {
+impl<O: UseOps> Default for Record<O> {
     fn default() -> Self {
-        Protocol {
+        Record {
             lock: Mutex::new(()),
             before: OnceLock::new(),
             after: OnceLock::new(),
@@ -116,7 +178,7 @@ impl<O: UseOps> Default for Protocol<O> {
     }
 }
 
-impl<O: UseOps> core::fmt::Debug for Protocol<O> {
+impl<O: UseOps> core::fmt::Debug for Record<O> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("Uses")
             .field("foreign", &self.foreign.load(Ordering::Relaxed))
@@ -139,7 +201,7 @@ fn lazy_event<'a, O: UseOps>(
     Ok(cell.get_or_init(|| event))
 }
 
-impl<O: UseOps> Protocol<O> {
+impl<O: UseOps> Record<O> {
     /// Notes that a use could not be ordered by events (the first failure is kept).
     fn unordered(&self, e: BackendError) {
         let _ = self.unordered.set(e);
@@ -149,7 +211,7 @@ impl<O: UseOps> Protocol<O> {
     /// guard): makes the home stream wait for the end of the last use on another stream, and waits
     /// on the host for uses that no event orders (a guard skipped its wait, or ordering failed).
     /// On failure nothing was ordered (queue nothing that touches the buffer).
-    pub(crate) fn before_home_use(&self, ops: &O, home: &O::Stream) -> Result<(), BackendError> {
+    fn before_home_use(&self, ops: &O, home: &O::Stream) -> Result<(), BackendError> {
         self.sync_unmarked_contexts(ops)?;
         let unordered = self.unordered.get().is_some();
         if unordered || self.synced.load(Ordering::Acquire) {
@@ -195,12 +257,7 @@ impl<O: UseOps> Protocol<O> {
 
     /// Starts a use on `other` of a buffer whose home stream is `home`; the caller queues the use
     /// and then ends it as the result says.
-    pub(crate) fn enter<'a>(
-        &'a self,
-        ops: &O,
-        home: &'a O::Stream,
-        other: &'a O::Stream,
-    ) -> EndOfUse<'a, O> {
+    fn enter<'a>(&'a self, ops: &O, home: &'a O::Stream, other: &'a O::Stream) -> EndOfUse<'a, O> {
         let same_context = ops.same_context(home, other);
         if same_context && ops.same_stream(home, other) {
             // A use on the home stream waits for the last use on another stream.
@@ -264,7 +321,7 @@ impl<O: UseOps> Protocol<O> {
     /// At the free, before the pool orders it on `home`: makes `home` wait for the uses on other
     /// streams. Fails if a use could not be ordered: [`UsesError::Unordered`] if waiting for the
     /// home context covers it, [`UsesError::Unbounded`] if a use in another context may still run.
-    pub(crate) fn finish(&self, ops: &O, home: &O::Stream) -> Result<(), UsesError> {
+    fn finish(&self, ops: &O, home: &O::Stream) -> Result<(), UsesError> {
         // A guard's wait for another context's stream is skipped while that context holds an
         // error: then wait for that whole context here. If even that fails, the pool's wait for
         // its own device does not reach it.
