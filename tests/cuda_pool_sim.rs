@@ -94,14 +94,52 @@ fn pool_hits_allocate_no_host_memory() {
     p.check().unwrap();
 }
 
-/// A buffer takes seven words of host memory (with either back end) until it is used on another
-/// stream: the record of such uses is allocated by the first one (`tests/cuda_uses_sim.rs` checks
-/// that those uses are ordered). It was 184 bytes, 144 of them that record, inline.
+/// A buffer takes seven words of host memory (with either back end, on 64-bit targets) until it is
+/// used on another stream: the record of such uses is allocated by the first one
+/// (`tests/cuda_uses_sim.rs` checks that those uses are ordered). It was 184 bytes, 144 of them
+/// that record, inline.
 #[test]
+#[cfg(target_pointer_width = "64")]
 fn a_buffer_is_seven_words_on_the_host() {
     let words = 7 * std::mem::size_of::<usize>();
     assert!(std::mem::size_of::<DeviceBuffer<u8, SimBackend>>() <= words);
     assert!(std::mem::size_of::<DeviceBuffer<u8>>() <= words);
+}
+
+/// Uses of a buffer on its home stream make no record of uses on other streams (no host
+/// allocation); the first use on another stream makes it, later uses nothing more.
+#[test]
+fn only_a_use_on_another_stream_makes_a_record() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    // Warm up the simulated device's own bookkeeping of streams A and B.
+    {
+        let b = alloc(&p, A, 256).unwrap();
+        b.simulate_use(A);
+        b.simulate_use(B);
+        b.simulate_use(A);
+    }
+    p.synchronize();
+    drop(alloc(&p, A, 256).unwrap());
+    let x = alloc(&p, A, 256).unwrap();
+    let home = host_allocs(|| {
+        for _ in 0..10 {
+            x.simulate_use(A);
+        }
+    });
+    assert_eq!(home, 0, "host allocations in uses on the home stream");
+    let first = host_allocs(|| {
+        x.simulate_use(B);
+    });
+    assert_eq!(
+        first, 1,
+        "host allocations in the first use on another stream"
+    );
+    let later = host_allocs(|| {
+        x.simulate_use(B);
+        x.simulate_use(A);
+    });
+    assert_eq!(later, 0, "host allocations in later uses");
 }
 
 /// A synchronisation that waits for a busy stream's pending blocks keeps that stream's queue

@@ -122,15 +122,16 @@ impl<O: UseOps> Protocol<O> {
         home: &'a O::Stream,
         other: &'a O::Stream,
     ) -> EndOfUse<'a, O> {
-        let home_stream = ops.same_context(home, other) && ops.same_stream(home, other);
-        match self.record.get() {
-            Some(r) => r.enter(ops, home, other),
-            None if home_stream => EndOfUse::Nothing,
-            None => self
-                .record
-                .get_or_init(|| Box::new(Record::default()))
-                .enter(ops, home, other),
+        if let Some(r) = self.record.get() {
+            return r.enter(ops, home, other);
         }
+        if ops.same_context(home, other) && ops.same_stream(home, other) {
+            // What an empty record does for a use on the home stream: nothing.
+            return EndOfUse::Nothing;
+        }
+        self.record
+            .get_or_init(|| Box::new(Record::default()))
+            .enter(ops, home, other)
     }
 
     /// See [`Record::finish`]; nothing to do if the buffer was never used on another stream.
