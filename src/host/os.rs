@@ -139,7 +139,7 @@ pub(crate) unsafe fn commit(ptr: usize, size: usize) -> bool {
 /// Unmaps a reservation.
 ///
 /// # Safety
-/// `ptr..ptr + size` is (part of) a mapping made by [`reserve`] that nothing uses any more.
+/// `ptr..ptr + size` is (part of) a mapping made by [`reserve_uncommitted`] that nothing uses any more.
 pub(crate) unsafe fn unreserve(ptr: NonNull<u8>, size: usize) {
     // SAFETY: guaranteed by the caller. A failure leaves the mapping in place, which is only a leak.
     unsafe { libc::munmap(ptr.as_ptr().cast(), size) };
@@ -150,7 +150,7 @@ pub(crate) unsafe fn unreserve(ptr: NonNull<u8>, size: usize) {
 /// may have returned only part of the range.
 ///
 /// # Safety
-/// The range is page-aligned, inside a mapping made by [`reserve`], and holds nothing anyone needs.
+/// The range is page-aligned, inside a mapping made by [`reserve_uncommitted`], and holds nothing anyone needs.
 #[must_use = "only a successful discard zeroes the range"]
 pub(crate) unsafe fn discard(ptr: usize, size: usize) -> bool {
     if size == 0 {
