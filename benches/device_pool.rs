@@ -9,7 +9,9 @@
 //! A second table runs a training-step pattern: each step allocates 64 buffers of mixed sizes
 //! (256 B .. 4 MiB, the same sizes every step) on one stream and then frees them all, so the pool's
 //! batched events, misses and pending-list scans are in the numbers (median ns per alloc+free over
-//! the steps). Without a driver or a GPU it prints why and exits 0.
+//! the steps). A third table runs pool hits in 1 to 8 threads at once, each on its own stream,
+//! against cudarc in the same threads (the pool has one mutex per device). Without a driver or a
+//! GPU it prints why and exits 0.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -188,6 +190,59 @@ fn main() {
         d / p,
         c / p
     );
+    threads_table(&pool);
     println!("\n{}", pool.stats());
     pool.check_err().expect("deferred pool errors");
+}
+
+/// Pool hits (4 KiB) in 1 to 8 threads at once, each on its own stream, against cudarc's
+/// `stream.alloc` + drop in the same threads: the pool's one mutex against the driver's locks.
+/// Prints the wall time per alloc+free per thread (medians of 5 rounds); flat means no contention.
+fn threads_table(pool: &DevicePool) {
+    const PAIRS: usize = 20_000;
+    const BYTES: usize = 4096;
+    let ctx = pool.context();
+    println!(
+        "\nthreads: {PAIRS} alloc+free of {BYTES} B per thread, each thread on its own stream, \
+         wall ns per pair per thread"
+    );
+    println!(
+        "{:>10} {:>14} {:>16} {:>9}",
+        "threads", "pool", "stream.alloc", "vs cudarc"
+    );
+    for threads in [1, 2, 4, 8] {
+        let streams: Vec<Arc<CudaStream>> = (0..threads)
+            .map(|_| ctx.new_stream().expect("new stream"))
+            .collect();
+        // Wall time of `pair` run PAIRS times in every thread at once.
+        let wall = |pair: &(dyn Fn(&Arc<CudaStream>) + Sync)| -> f64 {
+            let start = std::sync::Barrier::new(threads + 1);
+            let t = std::thread::scope(|scope| {
+                for s in &streams {
+                    let (start, ctx) = (&start, &ctx);
+                    scope.spawn(move || {
+                        ctx.bind_to_thread().expect("bind context");
+                        pair(s); // warm-up
+                        start.wait();
+                        for _ in 0..PAIRS {
+                            pair(s);
+                        }
+                    });
+                }
+                start.wait();
+                Instant::now()
+            });
+            t.elapsed().as_nanos() as f64 / PAIRS as f64
+        };
+        let (mut p, mut c) = (Vec::new(), Vec::new());
+        for _ in 0..5 {
+            p.push(wall(&|s| pool_pair(pool, s, BYTES)));
+            c.push(wall(&|s| cudarc_pair(s, BYTES)));
+        }
+        for s in &streams {
+            s.synchronize().expect("synchronize");
+        }
+        let (p, c) = (median(&mut p), median(&mut c));
+        println!("{threads:>10} {p:>14.0} {c:>16.0} {:>8.1}x", c / p);
+    }
 }

@@ -25,6 +25,11 @@ pub(crate) const EVENT_CACHE: usize = 256;
 /// Pending blocks of its own stream an allocation looks through at most, newest first.
 const TAKE_SCAN: usize = 256;
 
+/// Attempts to take the pool's lock by spinning (with exponential backoff, 1 to 64 pauses each)
+/// before a thread parks on it.
+#[cfg(not(loom))]
+const LOCK_SPINS: u32 = 40;
+
 /// Emptied block lists and batch queues kept for reuse, at most, of each.
 const SPARES: usize = 16;
 
@@ -581,6 +586,25 @@ impl<B: DeviceBackend> Shared<B> {
     fn lock(&self) -> MutexGuard<'_, State<B>> {
         // A panic while the lock was held (in a back end) leaves the engine consistent: every
         // engine operation completes before the back end is called again.
+        //
+        // Most holds are a few hundred nanoseconds (a hit, a free), so a waiter spins for the lock
+        // (with backoff: about 2,200 pause instructions, some microseconds) before it parks:
+        // parked waiters make every unlock a futex wake, and with several threads allocating at
+        // once the handoffs, not the work, took the time (8 threads: 16 us per alloc+free per
+        // thread, against 0.16 us for one). A hold that waits for the driver (an out-of-memory
+        // flush, a synchronisation) still parks its waiters.
+        #[cfg(not(loom))]
+        for spin in 0..LOCK_SPINS {
+            match self.state.try_lock() {
+                Ok(guard) => return guard,
+                Err(std::sync::TryLockError::Poisoned(e)) => return e.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    for _ in 0..1u32 << spin.min(6) {
+                        core::hint::spin_loop();
+                    }
+                }
+            }
+        }
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
