@@ -673,6 +673,34 @@ fn a_free_whose_uses_cannot_be_ordered_waits_for_the_device_or_is_never_reused()
     p.check().unwrap();
 }
 
+/// The buffers alive share one reference to the pool: it is taken again after they were all
+/// freed, a handle from a buffer (`DeviceBuffer::pool`) keeps the pool after the buffer, and the
+/// last buffer, on whatever thread, lets it go.
+#[test]
+fn buffers_keep_the_pool_alive_together() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    for _ in 0..3 {
+        drop(alloc(&p, A, MIB).unwrap());
+    }
+    let a = alloc(&p, A, MIB).unwrap();
+    let handle = a.pool();
+    drop(p);
+    drop(a);
+    assert!(
+        dev.bytes_live() > 0,
+        "the handle from the buffer keeps the pool"
+    );
+    let b = alloc(&handle, B, MIB).unwrap();
+    let c = alloc(&handle, B, MIB).unwrap();
+    drop(handle);
+    drop(c);
+    assert!(dev.bytes_live() > 0, "a buffer keeps the pool");
+    std::thread::spawn(move || drop(b)).join().unwrap();
+    assert_eq!(dev.bytes_live(), 0);
+    assert_eq!(dev.allocations_live(), 0);
+}
+
 #[test]
 fn dropping_the_pool_returns_everything_to_the_driver() {
     let dev = SimDevice::new(GIB);

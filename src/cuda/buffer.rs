@@ -1,10 +1,9 @@
 //! Typed device buffers that return to their pool on drop.
 
 use core::marker::PhantomData;
-use std::sync::Arc;
 
 use super::backend::DeviceBackend;
-use super::pool::{DevicePool, Shared};
+use super::pool::{DevicePool, PoolRef};
 
 /// `len` values of `T` in device memory from a [`DevicePool`], for use on one stream (its *home*
 /// stream, the one it was allocated on). Dropping it frees the block, ordered after the work queued
@@ -24,7 +23,7 @@ pub struct DeviceBuffer<T, B: DeviceBackend = super::CudaBackend> {
     size: usize,
     pub(crate) stream: B::Stream,
     pub(crate) uses: B::Uses,
-    pool: Arc<Shared<B>>,
+    pool: PoolRef<B>,
     _elem: PhantomData<fn() -> T>,
 }
 
@@ -34,7 +33,7 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
         len: usize,
         size: usize,
         stream: B::Stream,
-        pool: Arc<Shared<B>>,
+        pool: PoolRef<B>,
     ) -> Self {
         DeviceBuffer {
             ptr,
@@ -81,7 +80,7 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
     /// The pool the buffer belongs to.
     pub fn pool(&self) -> DevicePool<B> {
         DevicePool {
-            shared: self.pool.clone(),
+            shared: self.pool.handle(),
         }
     }
 
@@ -99,8 +98,14 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
 
 impl<T, B: DeviceBackend> Drop for DeviceBuffer<T, B> {
     fn drop(&mut self) {
-        self.pool
+        let last = self
+            .pool
+            .get()
             .free_block(self.ptr, self.size, &self.stream, &self.uses);
+        if last {
+            // SAFETY: this was the last buffer alive, and the `PoolRef` is not used again.
+            unsafe { self.pool.release() };
+        }
     }
 }
 
