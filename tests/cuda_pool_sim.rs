@@ -1458,8 +1458,46 @@ impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
         s: &Counted,
         uses: &bfc_alloc::cuda::SimUses,
     ) -> Result<(), bfc_alloc::cuda::UsesError> {
+        assert_ne!(s.0, PANICS_IN_FREE, "a back end panicked in a free");
         self.0.finish_uses(&s.0, uses)
     }
+}
+
+/// The stream on which `CountingBackend` panics in a buffer's free.
+const PANICS_IN_FREE: SimStream = SimStream(99);
+
+/// A back end that panics in a buffer's free does not keep the pool alive: the buffer counts as
+/// gone, and when it was the last one the pool is dropped (returning its fully free regions).
+#[test]
+fn a_panic_in_the_last_free_still_lets_the_pool_go() {
+    let dev = SimDevice::new(GIB);
+    let p = DevicePool::with_backend(
+        CountingBackend(dev.backend()),
+        PoolOptions::with_limit(256 * MIB),
+    )
+    .unwrap();
+    let s = Counted(PANICS_IN_FREE, Arc::new(()));
+    let a = Counted(A, Arc::new(()));
+    // SAFETY: simulated memory is never read.
+    let x = unsafe { p.alloc::<u8>(&s, MIB) }.unwrap();
+    let region_of_x = dev.bytes_live();
+    // SAFETY: as above.
+    let y = unsafe { p.alloc::<u8>(&a, 40 * MIB) }.unwrap();
+    drop(p);
+    drop(y);
+    assert!(
+        dev.bytes_live() > region_of_x,
+        "y's region is kept while x lives"
+    );
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(x)));
+    assert!(panicked.is_err());
+    // x's block is lost with the panic, so its region stays; the pool itself went, and y's region
+    // with it.
+    assert!(
+        dev.bytes_live() < 40 * MIB,
+        "{} bytes live: the pool was kept",
+        dev.bytes_live()
+    );
 }
 
 /// The pool keeps a stream's handle only while it has pending blocks of that stream, or until the

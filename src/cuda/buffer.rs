@@ -98,14 +98,11 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
 
 impl<T, B: DeviceBackend> Drop for DeviceBuffer<T, B> {
     fn drop(&mut self) {
-        let last = self
-            .pool
-            .get()
-            .free_block(self.ptr, self.size, &self.stream, &self.uses);
-        if last {
-            // SAFETY: this was the last buffer alive, and the `PoolRef` is not used again.
-            unsafe { self.pool.release() };
-        }
+        // SAFETY: once, from `Drop`; the `PoolRef` is not used again.
+        unsafe {
+            self.pool
+                .free(self.ptr, self.size, &self.stream, &self.uses)
+        };
     }
 }
 

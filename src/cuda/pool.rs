@@ -267,16 +267,36 @@ impl<B: DeviceBackend> PoolRef<B> {
         }
     }
 
-    /// Gives back the buffers' strong reference to the pool, which may drop it.
+    /// Frees a buffer's block (see [`Shared::free_block`]); if it was the last buffer alive, then
+    /// gives back the buffers' strong reference to the pool, which may drop it. The reference goes
+    /// back also when the back end panics in the free.
     ///
     /// # Safety
     ///
-    /// [`Shared::free_block`] just returned `true` for this buffer (it was the last one alive),
-    /// and nothing uses this `PoolRef` afterwards.
-    pub(crate) unsafe fn release(&self) {
-        // SAFETY: the reference the first buffer took (`Shared::alloc_block`) is given back once,
-        // by the last buffer, as the caller guarantees.
-        unsafe { Arc::decrement_strong_count(self.0) }
+    /// Called once per buffer, from its `Drop`; nothing uses this `PoolRef` afterwards.
+    pub(crate) unsafe fn free(&self, ptr: u64, size: usize, stream: &B::Stream, uses: &B::Uses) {
+        /// Gives the reference back when dropped (after the free returned or unwound, so no
+        /// reference into the pool is live then), if `last`.
+        struct Release<'a, B: DeviceBackend> {
+            pool: &'a PoolRef<B>,
+            last: bool,
+        }
+        impl<B: DeviceBackend> Drop for Release<'_, B> {
+            fn drop(&mut self) {
+                if self.last {
+                    // SAFETY: this buffer was the last one alive: the reference the first one took
+                    // (`Shared::alloc_block`) is given back once, and the caller uses the
+                    // `PoolRef` no more.
+                    unsafe { Arc::decrement_strong_count(self.pool.0) }
+                }
+            }
+        }
+        let mut release = Release {
+            pool: self,
+            last: false,
+        };
+        self.get()
+            .free_block(ptr, size, stream, uses, &mut release.last);
     }
 }
 
@@ -725,19 +745,21 @@ impl<B: DeviceBackend> Shared<B> {
     }
 
     /// Frees a buffer's block at `ptr` (of `size` bytes) used on `stream`. Never fails; errors are
-    /// deferred. Returns whether it was the last buffer alive: then the caller gives back the
-    /// buffers' reference to the pool ([`PoolRef::release`]), after this returns.
+    /// deferred. Sets `last` if it was the last buffer alive (before the free itself, which calls
+    /// the back end): then the caller gives back the buffers' reference to the pool
+    /// ([`PoolRef::free`]) once this has returned or unwound.
     pub(crate) fn free_block(
         &self,
         ptr: u64,
         size: usize,
         stream: &B::Stream,
         uses: &B::Uses,
-    ) -> bool {
+        last: &mut bool,
+    ) {
         let mut st = self.lock();
-        st.free_block(ptr, size, stream, uses);
         st.buffers -= 1;
-        st.buffers == 0
+        *last = st.buffers == 0;
+        st.free_block(ptr, size, stream, uses);
     }
 }
 
