@@ -1,9 +1,10 @@
 //! Typed device buffers that return to their pool on drop.
 
 use core::marker::PhantomData;
+use std::sync::Arc;
 
 use super::backend::DeviceBackend;
-use super::pool::{DevicePool, PoolRef};
+use super::pool::{DevicePool, Shared};
 
 /// `len` values of `T` in device memory from a [`DevicePool`], for use on one stream (its *home*
 /// stream, the one it was allocated on). Dropping it frees the block, ordered after the work queued
@@ -23,7 +24,7 @@ pub struct DeviceBuffer<T, B: DeviceBackend = super::CudaBackend> {
     size: usize,
     pub(crate) stream: B::Stream,
     pub(crate) uses: B::Uses,
-    pool: PoolRef<B>,
+    pool: Arc<Shared<B>>,
     _elem: PhantomData<fn() -> T>,
 }
 
@@ -33,7 +34,7 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
         len: usize,
         size: usize,
         stream: B::Stream,
-        pool: PoolRef<B>,
+        pool: Arc<Shared<B>>,
     ) -> Self {
         DeviceBuffer {
             ptr,
@@ -80,7 +81,7 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
     /// The pool the buffer belongs to.
     pub fn pool(&self) -> DevicePool<B> {
         DevicePool {
-            shared: self.pool.handle(),
+            shared: self.pool.clone(),
         }
     }
 
@@ -98,11 +99,8 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
 
 impl<T, B: DeviceBackend> Drop for DeviceBuffer<T, B> {
     fn drop(&mut self) {
-        // SAFETY: once, from `Drop`; the `PoolRef` is not used again.
-        unsafe {
-            self.pool
-                .free(self.ptr, self.size, &self.stream, &self.uses)
-        };
+        self.pool
+            .free_block(self.ptr, self.size, &self.stream, &self.uses);
     }
 }
 

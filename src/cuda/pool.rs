@@ -225,79 +225,11 @@ pub(crate) struct State<B: DeviceBackend> {
     /// stream, a trim or a synchronisation) drops it.
     queues: Vec<Queue<B::Stream, B::Event>>,
     spares: Spares<B::Event>,
-    /// Buffers alive. Together they hold one strong reference to the [`Shared`] (see [`PoolRef`]).
-    buffers: usize,
     /// Blocks freed while the driver could neither order nor wait for their uses: kept in use in
     /// the engine forever.
     stranded_bytes: usize,
     /// Errors that happened where none could be returned (in `Drop`), oldest first.
     errors: Vec<PoolError>,
-}
-
-/// A buffer's pointer to its pool's [`Shared`]. The buffers alive share one strong reference to
-/// it (counted in [`State::buffers`], under the lock they take anyway), rather than each holding
-/// an `Arc`: with several threads allocating at once, every buffer's `Arc` increment and
-/// decrement hit one cache line beside the lock's.
-///
-/// The pointer comes from [`Arc::as_ptr`], so it may also reach the `Arc`'s counts.
-pub(crate) struct PoolRef<B: DeviceBackend>(*const Shared<B>);
-
-// SAFETY: a `PoolRef` is used like an `Arc<Shared<B>>` (shared access from any thread, and the
-// last one gives its reference back), so it may cross threads when such an `Arc` may.
-unsafe impl<B: DeviceBackend> Send for PoolRef<B> where Arc<Shared<B>>: Send {}
-// SAFETY: as above; `&PoolRef` only gives `&Shared<B>`.
-unsafe impl<B: DeviceBackend> Sync for PoolRef<B> where Arc<Shared<B>>: Sync {}
-
-impl<B: DeviceBackend> PoolRef<B> {
-    /// The pool.
-    pub(crate) fn get(&self) -> &Shared<B> {
-        // SAFETY: the buffer holding this `PoolRef` is alive, so `State::buffers` counts it and the
-        // buffers' strong reference keeps the `Shared` allocated.
-        unsafe { &*self.0 }
-    }
-
-    /// A new strong reference to the pool (a [`DevicePool`] handle).
-    pub(crate) fn handle(&self) -> Arc<Shared<B>> {
-        let p = self.0;
-        // SAFETY: `p` came from an `Arc<Shared<B>>` that is still alive (see `get`); the count is
-        // raised before the new `Arc` takes it.
-        unsafe {
-            Arc::increment_strong_count(p);
-            Arc::from_raw(p)
-        }
-    }
-
-    /// Frees a buffer's block (see [`Shared::free_block`]); if it was the last buffer alive, then
-    /// gives back the buffers' strong reference to the pool, which may drop it. The reference goes
-    /// back also when the back end panics in the free.
-    ///
-    /// # Safety
-    ///
-    /// Called once per buffer, from its `Drop`; nothing uses this `PoolRef` afterwards.
-    pub(crate) unsafe fn free(&self, ptr: u64, size: usize, stream: &B::Stream, uses: &B::Uses) {
-        /// Gives the reference back when dropped (after the free returned or unwound, so no
-        /// reference into the pool is live then), if `last`.
-        struct Release<'a, B: DeviceBackend> {
-            pool: &'a PoolRef<B>,
-            last: bool,
-        }
-        impl<B: DeviceBackend> Drop for Release<'_, B> {
-            fn drop(&mut self) {
-                if self.last {
-                    // SAFETY: this buffer was the last one alive: the reference the first one took
-                    // (`Shared::alloc_block`) is given back once, and the caller uses the
-                    // `PoolRef` no more.
-                    unsafe { Arc::decrement_strong_count(self.pool.0) }
-                }
-            }
-        }
-        let mut release = Release {
-            pool: self,
-            last: false,
-        };
-        self.get()
-            .free_block(ptr, size, stream, uses, &mut release.last);
-    }
 }
 
 /// The shared part of a pool; buffers keep it alive.
@@ -677,34 +609,14 @@ impl<B: DeviceBackend> Shared<B> {
     }
 
     /// Allocates a block of at least `bytes` for use on `stream`: `(address, usable size)`.
-    /// A new buffer's block counts as a buffer: the first one alive takes the reference to the pool
-    /// that all the buffers share (see [`PoolRef`]).
     pub(crate) fn alloc_block(
-        self: &Arc<Self>,
-        stream: &B::Stream,
-        bytes: usize,
-        align: usize,
-    ) -> Result<(u64, usize), PoolError> {
-        let mut st = self.lock();
-        let r = self.alloc_locked(&mut st, stream, bytes, align);
-        if r.is_ok() {
-            if st.buffers == 0 {
-                // The buffers' one reference, given back by the last of them.
-                core::mem::forget(Arc::clone(self));
-            }
-            st.buffers += 1;
-        }
-        r
-    }
-
-    fn alloc_locked(
         &self,
-        st: &mut State<B>,
         stream: &B::Stream,
         bytes: usize,
         align: usize,
     ) -> Result<(u64, usize), PoolError> {
         let sid = B::stream_id(stream);
+        let mut st = self.lock();
         st.backend().check_stream(stream)?;
         st.poll_pending();
         let align = align.max(1);
@@ -744,30 +656,10 @@ impl<B: DeviceBackend> Shared<B> {
         }
     }
 
-    /// Frees a buffer's block at `ptr` (of `size` bytes) used on `stream`. Never fails; errors are
-    /// deferred. Sets `last` if it was the last buffer alive (before the free itself, which calls
-    /// the back end): then the caller gives back the buffers' reference to the pool
-    /// ([`PoolRef::free`]) once this has returned or unwound.
-    pub(crate) fn free_block(
-        &self,
-        ptr: u64,
-        size: usize,
-        stream: &B::Stream,
-        uses: &B::Uses,
-        last: &mut bool,
-    ) {
-        let mut st = self.lock();
-        st.buffers -= 1;
-        *last = st.buffers == 0;
-        st.free_block(ptr, size, stream, uses);
-    }
-}
-
-impl<B: DeviceBackend> State<B> {
-    /// Frees the block at `ptr` (of `size` bytes) used on `stream` (see [`Shared::free_block`]).
-    fn free_block(&mut self, ptr: u64, size: usize, stream: &B::Stream, uses: &B::Uses) {
-        let st = self;
+    /// Frees the block at `ptr` (of `size` bytes) used on `stream`. Never fails; errors are deferred.
+    pub(crate) fn free_block(&self, ptr: u64, size: usize, stream: &B::Stream, uses: &B::Uses) {
         let sid = B::stream_id(stream);
+        let mut st = self.lock();
         match st.backend().finish_uses(stream, uses) {
             Ok(()) => {}
             Err(UsesError::Unordered(e)) => {
@@ -865,7 +757,6 @@ impl<B: DeviceBackend> DevicePool<B> {
                         blocks: Vec::with_capacity(SPARES),
                         batches: Vec::with_capacity(SPARES),
                     },
-                    buffers: 0,
                     stranded_bytes: 0,
                     errors: Vec::new(),
                 }),
@@ -913,7 +804,7 @@ impl<B: DeviceBackend> DevicePool<B> {
             len,
             size,
             stream.clone(),
-            PoolRef(Arc::as_ptr(&self.shared)),
+            self.shared.clone(),
         ))
     }
 
