@@ -1465,6 +1465,10 @@ impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
         &mut self,
         e: &bfc_alloc::cuda::SimEvent,
     ) -> Result<(), bfc_alloc::cuda::BackendError> {
+        assert!(
+            !PANIC_IN_EVENT_SYNC.with(std::cell::Cell::get),
+            "a back end panicked waiting for an event"
+        );
         self.0.event_sync(e)
     }
     fn recycle_event(&mut self, e: bfc_alloc::cuda::SimEvent) {
@@ -1495,6 +1499,47 @@ impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
 
 /// The stream on which `CountingBackend` panics in a buffer's free.
 const PANICS_IN_FREE: SimStream = SimStream(99);
+
+std::thread_local! {
+    /// Makes `CountingBackend` panic in `event_sync` on this thread.
+    static PANIC_IN_EVENT_SYNC: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// A back end that panics while the pool waits for a batch's event (in a synchronisation) loses
+/// none of the batch's blocks: they stay pending, the next synchronisation returns them, and
+/// dropping the pool then gives every region back to the driver.
+#[test]
+fn a_panic_while_waiting_for_an_event_keeps_the_blocks_pending() {
+    let dev = SimDevice::new(GIB);
+    let a = Counted(A, Arc::new(()));
+    {
+        let p = DevicePool::with_backend(
+            CountingBackend(dev.backend()),
+            PoolOptions::with_limit(64 * MIB),
+        )
+        .unwrap();
+        // SAFETY: simulated memory is never read.
+        let x = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
+        dev.enqueue(A);
+        drop(x);
+        PANIC_IN_EVENT_SYNC.with(|f| f.set(true));
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.synchronize()));
+        PANIC_IN_EVENT_SYNC.with(|f| f.set(false));
+        assert!(panicked.is_err());
+        assert_eq!(p.stats().pending_blocks, 1, "the block is still pending");
+        dev.complete_all();
+        p.synchronize();
+        let s = p.stats();
+        assert_eq!(s.pending_blocks, 0);
+        assert_eq!(
+            s.allocator.bytes_in_use, 0,
+            "the block went back to the engine"
+        );
+        p.check().unwrap();
+    }
+    assert_eq!(dev.bytes_live(), 0, "the pool gave its region back");
+    assert_eq!(dev.allocations_live(), 0);
+}
 
 /// A back end that panics in a buffer's free does not keep the pool alive: the buffer counts as
 /// gone, and when it was the last one the pool is dropped (returning its fully free regions).

@@ -464,31 +464,41 @@ impl<B: DeviceBackend> State<B> {
             }
         }
         for qi in 0..self.queues.len() {
-            // Each batch once, in place (the queue keeps its storage for reuse).
+            // Each batch once, in place (the queue keeps its storage for reuse). A batch leaves its
+            // queue only after the back end was called for it, so a back end that panics leaves
+            // it pending, not lost.
             for _ in 0..self.queues[qi].batches.len() {
+                let Some(front) = self.queues[qi].batches.front() else {
+                    break;
+                };
+                let waited = if device_synced {
+                    Some(Ok(()))
+                } else {
+                    match &front.order {
+                        Order::Open | Order::Unordered => None,
+                        Order::Event(ev) => Some(self.bfc.source_mut().backend.event_sync(ev)),
+                    }
+                };
+                let ok = match waited {
+                    None => false,
+                    Some(Ok(())) => true,
+                    Some(Err(e)) => {
+                        self.defer(PoolError::Backend(e));
+                        match self.backend().synchronize() {
+                            Ok(()) => {
+                                device_synced = true;
+                                true
+                            }
+                            Err(e) => {
+                                self.defer(PoolError::Backend(e));
+                                false
+                            }
+                        }
+                    }
+                };
                 let Some(b) = self.queues[qi].batches.pop_front() else {
                     break;
                 };
-                let ok = device_synced
-                    || match &b.order {
-                        Order::Open | Order::Unordered => false,
-                        Order::Event(ev) => match self.backend().event_sync(ev) {
-                            Ok(()) => true,
-                            Err(e) => {
-                                self.defer(PoolError::Backend(e));
-                                match self.backend().synchronize() {
-                                    Ok(()) => {
-                                        device_synced = true;
-                                        true
-                                    }
-                                    Err(e) => {
-                                        self.defer(PoolError::Backend(e));
-                                        false
-                                    }
-                                }
-                            }
-                        },
-                    };
                 if ok {
                     self.release_batch(b);
                 } else {
