@@ -789,3 +789,32 @@ fn an_arena_that_cannot_be_reserved_makes_every_allocation_fail() {
     let v = vec![7u8; 5000];
     assert_eq!(v.iter().map(|&x| x as usize).sum::<usize>(), 35_000);
 }
+
+/// `usable_size` of freed blocks, as documented: a small block freed into the thread's cache still
+/// reads as its class size (with `std`); a freed large block reads as no block.
+#[test]
+fn usable_size_of_freed_blocks() {
+    std::thread::spawn(|| {
+        let small = Layout::from_size_align(48, 8).unwrap();
+        let large = Layout::from_size_align(1 << 20, 8).unwrap();
+        // SAFETY: each block is freed once, with its layout; the pointers are only looked up after.
+        unsafe {
+            let p = A.alloc(small);
+            assert_eq!(A.usable_size(p), Some(48));
+            A.dealloc(p, small);
+            // Without `std` there are no thread caches: the block is back in its span.
+            let cached = if cfg!(feature = "std") {
+                Some(48)
+            } else {
+                None
+            };
+            assert_eq!(A.usable_size(p), cached);
+            let q = A.alloc(large);
+            assert!(A.usable_size(q).unwrap() >= 1 << 20);
+            A.dealloc(q, large);
+            assert_eq!(A.usable_size(q), None);
+        }
+    })
+    .join()
+    .unwrap();
+}

@@ -1132,7 +1132,12 @@ impl GlobalBfc {
         self.with_heap(|h| h.bfc.source().arena_size).unwrap_or(0)
     }
 
-    /// Usable size of the block at `ptr`, or `None` if `ptr` is not the start of a live block.
+    /// Usable size of the block at `ptr`, or `None` if `ptr` is not the start of a block the
+    /// allocator holds for a caller or in a cache.
+    ///
+    /// A diagnostic: a small block freed into a thread cache or the transfer cache still counts
+    /// (it reads as its class size) until the cache gives it back to its span; a freed large
+    /// block, and a small block whose span has it free, give `None`.
     pub fn usable_size(&self, ptr: *const u8) -> Option<usize> {
         self.with_heap(|h| h.usable_size(ptr as usize)).flatten()
     }
