@@ -286,7 +286,8 @@ fn sync_raw(stream: &CudaStream) -> Result<(), BackendError> {
 /// event marks the end of the foreign uses, so two uses on two other streams that overlap in time
 /// (from two threads, through `&DeviceBuffer`) are both ordered only if the first cudarc call (its
 /// guard dropped, so its end recorded) returned before the second one began; order such concurrent
-/// uses yourself (make the home stream wait for them) before dropping the buffer.
+/// uses yourself (make the home stream wait for them, then queue work on it after the wait: see
+/// the module docs) before dropping the buffer.
 #[derive(Debug, Default)]
 pub struct CudaUses {
     protocol: Protocol<CudaOps>,

@@ -63,7 +63,11 @@
 //! [`DeviceBuffer::zero`] ([`CudaUses`]). A stream of another context is waited for on the host
 //! instead, around the use. A raw
 //! address ([`DeviceBuffer::device_address`]), a kernel argument on another stream, or a peer copy
-//! to another context's memory (`memcpy_dtod` on that context's stream) is yours to order.
+//! to another context's memory (`memcpy_dtod` on that context's stream) is yours to order. If you
+//! order it by making the home stream wait for an event recorded after the use, queue some work on
+//! the home stream after that wait (or wait for the use on the host) before dropping the buffer:
+//! the pool returns an idle stream's freed blocks without an event, and a stream query need not
+//! count a wait as work.
 //!
 //! # Errors
 //!
