@@ -471,31 +471,24 @@ impl<B: DeviceBackend> State<B> {
                 let Some(front) = self.queues[qi].batches.front() else {
                     break;
                 };
-                let waited = if device_synced {
-                    Some(Ok(()))
-                } else {
-                    match &front.order {
-                        Order::Open | Order::Unordered => None,
-                        Order::Event(ev) => Some(self.bfc.source_mut().backend.event_sync(ev)),
-                    }
+                let waited = match &front.order {
+                    _ if device_synced => Ok(true),
+                    Order::Event(ev) => self.bfc.source_mut().backend.event_sync(ev).map(|()| true),
+                    Order::Open | Order::Unordered => Ok(false),
                 };
-                let ok = match waited {
-                    None => false,
-                    Some(Ok(())) => true,
-                    Some(Err(e)) => {
-                        self.defer(PoolError::Backend(e));
-                        match self.backend().synchronize() {
-                            Ok(()) => {
-                                device_synced = true;
-                                true
-                            }
-                            Err(e) => {
-                                self.defer(PoolError::Backend(e));
-                                false
-                            }
+                let ok = waited.unwrap_or_else(|e| {
+                    self.defer(PoolError::Backend(e));
+                    match self.backend().synchronize() {
+                        Ok(()) => {
+                            device_synced = true;
+                            true
+                        }
+                        Err(e) => {
+                            self.defer(PoolError::Backend(e));
+                            false
                         }
                     }
-                };
+                });
                 let Some(b) = self.queues[qi].batches.pop_front() else {
                     break;
                 };
