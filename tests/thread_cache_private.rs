@@ -355,3 +355,197 @@ fn a_class_the_thread_stopped_using_drains_from_its_cache() {
     .join()
     .unwrap();
 }
+
+/// A private instance with a 4 MiB arena: a 4 MiB block needs all of it.
+fn four_mib_arena(thread_cache: bool) -> GlobalBfc {
+    GlobalBfc::with_config(HostConfig {
+        arena_size: 4 << 20,
+        min_arena_size: 4 << 20,
+        thread_cache,
+        ..HostConfig::DEFAULT
+    })
+}
+
+/// Allocates a block of the whole 4 MiB arena of `a`, writes its ends and frees it; whether it fit.
+fn whole_arena_fits(a: &GlobalBfc) -> bool {
+    let l = Layout::from_size_align(4 << 20, 8).unwrap();
+    // SAFETY: a valid layout; the block is written within its size and freed once with it.
+    unsafe {
+        let p = a.alloc(l);
+        if p.is_null() {
+            return false;
+        }
+        p.write(1);
+        p.add(l.size() - 1).write(2);
+        a.dealloc(p, l);
+    }
+    true
+}
+
+/// Allocates `n` blocks of each size in `sizes` from `a`, then frees them all.
+fn small_round_trip(a: &GlobalBfc, sizes: &[usize], n: usize) {
+    let mut live = Vec::new();
+    for &size in sizes {
+        let l = Layout::from_size_align(size, 8).unwrap();
+        for _ in 0..n {
+            // SAFETY: a valid layout.
+            let p = unsafe { black_box(a.alloc(l)) };
+            assert!(!p.is_null(), "{size} B");
+            live.push((p, l));
+        }
+    }
+    for (p, l) in live {
+        // SAFETY: allocated above with `l`, freed once.
+        unsafe { a.dealloc(p, l) };
+    }
+}
+
+/// Each class keeps its current span when its last object is freed. An allocation that does not
+/// fit otherwise takes those empty spans back first.
+#[test]
+fn an_allocation_that_needs_the_room_takes_back_empty_current_spans() {
+    let a = four_mib_arena(false);
+    small_round_trip(&a, &[16, 48, 1000, 4096], 3);
+    assert!(whole_arena_fits(&a), "the empty spans were not taken back");
+    a.check().unwrap();
+    // The classes work again afterwards.
+    small_round_trip(&a, &[16, 48, 1000, 4096], 3);
+    a.check().unwrap();
+}
+
+/// Blocks in the allocating thread's own cache (and the transfer cache) go back before an
+/// allocation fails.
+#[test]
+fn an_allocation_that_needs_the_room_flushes_the_threads_own_cache() {
+    std::thread::spawn(|| {
+        let a = four_mib_arena(true);
+        // Enough 64-byte blocks that a full stack moves to the transfer cache too.
+        small_round_trip(&a, &[16, 64, 1000, 4096], 300);
+        let s = a.stats();
+        assert!(a.thread_cache_bytes() > 0, "{s:?}");
+        assert!(
+            s.bytes_cached > a.thread_cache_bytes(),
+            "transfer cache empty: {s:?}"
+        );
+        // A request larger than the arena can never fit: it fails without emptying the caches.
+        let cached = a.thread_cache_bytes();
+        // SAFETY: a valid layout.
+        let p = unsafe { a.alloc(Layout::from_size_align(8 << 20, 8).unwrap()) };
+        assert!(p.is_null());
+        assert_eq!(a.thread_cache_bytes(), cached);
+        assert!(
+            whole_arena_fits(&a),
+            "the cached blocks were not taken back"
+        );
+        let s = a.stats();
+        assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 0), "{s:?}");
+        a.check().unwrap();
+        small_round_trip(&a, &[16, 64, 1000, 4096], 300);
+        a.check().unwrap();
+    })
+    .join()
+    .unwrap();
+}
+
+/// Another thread's cache is its own (its fast paths take no lock): the blocks in it stay there
+/// until that thread flushes or exits, and an allocation that needs their room fails meanwhile.
+#[test]
+fn blocks_in_another_threads_cache_wait_for_that_thread() {
+    use std::sync::mpsc::channel;
+    let a = four_mib_arena(true);
+    let (cached_tx, cached_rx) = channel::<()>();
+    let (flush_tx, flush_rx) = channel::<()>();
+    let (flushed_tx, flushed_rx) = channel::<()>();
+    std::thread::scope(|s| {
+        let a = &a;
+        s.spawn(move || {
+            small_round_trip(a, &[48], 10);
+            assert!(a.thread_cache_bytes() > 0);
+            cached_tx.send(()).unwrap();
+            flush_rx.recv().unwrap();
+            a.flush_thread_cache();
+            flushed_tx.send(()).unwrap();
+            // The thread stays alive until the scope ends: its exit is not what frees the room.
+            flush_rx.recv().unwrap_err();
+        });
+        cached_rx.recv().unwrap();
+        assert!(
+            !whole_arena_fits(a),
+            "another thread's cached blocks were taken"
+        );
+        flush_tx.send(()).unwrap();
+        flushed_rx.recv().unwrap();
+        assert!(
+            whole_arena_fits(a),
+            "the flushed blocks' span was not taken back"
+        );
+        a.check().unwrap();
+        drop(flush_tx);
+    });
+}
+
+/// A thread whose cache serves another instance allocates under the lock. When the arena is full
+/// and its class has no room in the slab layer, the blocks other threads gave to the transfer cache
+/// are what is left: the allocation gets one of them.
+#[test]
+fn an_allocation_under_the_lock_gets_a_block_from_the_transfer_cache() {
+    use std::sync::mpsc::channel;
+    let a = four_mib_arena(true);
+    let l = Layout::from_size_align(48, 8).unwrap();
+    let (freed_tx, freed_rx) = channel::<Vec<usize>>();
+    let (done_tx, done_rx) = channel::<()>();
+    std::thread::scope(|s| {
+        // Owned here, so a failed assertion drops it and the other thread ends.
+        let done_tx = done_tx;
+        let a = &a;
+        s.spawn(move || {
+            let mut got = Vec::new();
+            loop {
+                // SAFETY: a valid layout.
+                let p = unsafe { a.alloc(l) };
+                if p.is_null() {
+                    break;
+                }
+                got.push(p as usize);
+            }
+            // A few stacks' worth: the cache passes some to the transfer cache, none to the slab.
+            let freed = got.split_off(got.len() - 150);
+            for &p in &freed {
+                // SAFETY: allocated above with `l`, freed once.
+                unsafe { a.dealloc(p as *mut u8, l) };
+            }
+            let st = a.stats();
+            assert_eq!(
+                st.bytes_in_use + st.bytes_cached,
+                (got.len() + freed.len()) * 48,
+                "a freed block reached the slab layer: {st:?}"
+            );
+            assert!(st.bytes_cached > a.thread_cache_bytes(), "{st:?}");
+            freed_tx.send(freed).unwrap();
+            // Alive (its cache holding blocks) until the other thread's allocation is done (or
+            // failed: the sender is dropped).
+            let _ = done_rx.recv();
+            for &p in &got {
+                // SAFETY: as above.
+                unsafe { a.dealloc(p as *mut u8, l) };
+            }
+        });
+        let freed = freed_rx.recv().unwrap();
+        // This thread's cache serves `b`, so `a` is used under its lock.
+        let b = four_mib_arena(true);
+        use_small(&b);
+        // SAFETY: a valid layout; the block is freed once with it.
+        unsafe {
+            let p = a.alloc(l);
+            assert!(
+                !p.is_null(),
+                "no block although the transfer cache held some"
+            );
+            assert!(freed.contains(&(p as usize)), "{p:p} is not a freed block");
+            a.dealloc(p, l);
+        }
+        a.check().unwrap();
+        done_tx.send(()).unwrap();
+    });
+    a.check().unwrap();
+}

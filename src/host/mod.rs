@@ -43,8 +43,9 @@
 //!   two stacks per class, about 1.1 MiB in all);
 //! - every 256 refills and flushes of a thread's cache, each class that had none of them gives half
 //!   its blocks back to the slab layer, so a class the thread stopped using drains;
-//! - a thread's cache is flushed when the thread exits, and on demand by
-//!   [`GlobalBfc::flush_thread_cache`] (and [`GlobalBfc::release_free_memory`]);
+//! - a thread's cache is flushed when the thread exits, on demand by
+//!   [`GlobalBfc::flush_thread_cache`] (and [`GlobalBfc::release_free_memory`]), and before an
+//!   allocation on that thread fails for want of room (with the transfer cache);
 //! - blocks going back to the slab layer are checked there, and a block freed twice in a row on one
 //!   thread is caught at the second free (other double frees when the block reaches the slab layer);
 //! - [`GlobalBfc::stats`] counts cached blocks as cached, not in use;
@@ -82,7 +83,11 @@
 //!
 //! # Errors
 //!
-//! Out of memory (including requests larger than the arena) returns null. Freeing a pointer the
+//! Out of memory (including requests larger than the arena) returns null. Before an allocation
+//! fails for want of room, the heap takes back what it holds only for reuse, and tries once more:
+//! the calling thread's cached blocks, the transfer cache, and each size class's empty current
+//! span. Blocks in another thread's cache stay there until that thread flushes
+//! ([`GlobalBfc::flush_thread_cache`]) or exits: its fast paths take no lock. Freeing a pointer the
 //! allocator does not own, a double free, or a pointer into the middle of a block aborts the process
 //! with a message naming the problem; the heap is never silently corrupted.
 //!
@@ -1522,10 +1527,10 @@ impl Heap {
         } else {
             align
         };
-        let mut found = self.engine_block(size, grid);
-        if found.is_none() && grid != align {
-            // The grid is a preference: near the arena's limit the padding it needs may not fit.
-            found = self.engine_block(size, align);
+        let mut found = self.large_block(size, grid, align);
+        // (A request larger than the arena never fits: no reclaim for it.)
+        if found.is_none() && size <= self.arena_end - self.small.arena() && self.reclaim() {
+            found = self.large_block(size, grid, align);
         }
         match found {
             Some(b) => {
@@ -1536,6 +1541,17 @@ impl Heap {
             }
             None => ptr::null_mut(),
         }
+    }
+
+    /// An engine block for a large request: on the preferred grid `grid`, else (near the arena's
+    /// limit the padding it needs may not fit) at the requested alignment `align`.
+    #[inline]
+    fn large_block(&mut self, size: usize, grid: usize, align: usize) -> Option<Allocated> {
+        let found = self.engine_block(size, grid);
+        if found.is_none() && grid != align {
+            return self.engine_block(size, align);
+        }
+        found
     }
 
     /// An engine block of `size` bytes on a grid of `grid` bytes inside the committed arena. When
@@ -1590,18 +1606,62 @@ impl Heap {
         self.small.alloc(c)
     }
 
-    /// Gives class `c`, whose spans are all full, a new span from the engine; `false` when out of
-    /// memory.
+    /// Gives class `c`, whose spans are all full, room: a new span from the engine, or (when out of
+    /// memory) whatever [`Heap::reclaim`] gave back to the class; `false` when neither.
     #[cold]
     fn small_new_span(&mut self, c: usize) -> bool {
-        let Some(b) = self.engine_block(SPAN, SPAN) else {
-            return false;
+        let b = match self.engine_block(SPAN, SPAN) {
+            Some(b) => b,
+            None => {
+                if !self.reclaim() {
+                    return false;
+                }
+                if self.small.has_room(c) {
+                    return true;
+                }
+                match self.engine_block(SPAN, SPAN) {
+                    Some(b) => b,
+                    None => return false,
+                }
+            }
         };
         let base = b.ptr;
         self.note_allocated(base, SPAN);
         self.span_allocs += 1;
         self.small.add_span(c, base);
         true
+    }
+
+    /// Out of memory: gives back to the engine what the heap holds only for reuse, so that an
+    /// allocation can try again. The transfer cache and, if it serves this heap, the calling
+    /// thread's cache go back to the slab layer, and each class's empty current span to the engine
+    /// (where it coalesces). Other threads' caches are out of reach: their fast paths take no lock.
+    /// `true` if anything went back.
+    #[cold]
+    #[inline(never)]
+    fn reclaim(&mut self) -> bool {
+        let before = (self.small.objects, self.small.spans_live);
+        #[cfg(feature = "std")]
+        {
+            let id = self.id;
+            let own = tcache::with(|tc| {
+                if tc.owner.get() == id {
+                    self.flush_all(tc);
+                    true
+                } else {
+                    false
+                }
+            });
+            if own != Some(true) {
+                self.drain_transfer();
+            }
+        }
+        let mut spans = [0; small::NUM_CLASSES];
+        let n = self.small.take_empty_current(&mut spans);
+        for &base in &spans[..n] {
+            self.free_engine(base);
+        }
+        (self.small.objects, self.small.spans_live) != before
     }
 
     /// Counters as callers see them: spans replaced by the small objects in them.

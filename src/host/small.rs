@@ -21,7 +21,8 @@
 //!
 //! A span whose objects are all free goes back to the engine (and so can coalesce), unless it is the
 //! class's current span. Memory held this way is bounded by the live objects' spans plus one current
-//! span per class (28 x 64 KiB).
+//! span per class (28 x 64 KiB); an allocation that would fail otherwise takes the empty current spans
+//! back first ([`SmallHeap::take_empty_current`]).
 //!
 //! Invariants: a span of class `c` is in `sets[c]` iff it has a free object, and `current[c]` is the
 //! lowest span in `sets[c]` (0 when the set is empty); only the current span may have no object
@@ -441,6 +442,12 @@ impl SmallHeap {
     /// Bytes of one span-table entry.
     pub(crate) const ENTRY: usize = core::mem::size_of::<Span>();
 
+    /// Whether class `c` has a span with a free object.
+    #[inline]
+    pub(crate) fn has_room(&self, c: usize) -> bool {
+        self.current[c] != 0
+    }
+
     /// Allocates an object of class `c` from the current span; `None` when a new span is needed.
     #[inline]
     pub(crate) fn alloc(&mut self, c: usize) -> Option<usize> {
@@ -726,6 +733,25 @@ impl SmallHeap {
             return SmallFree::Freed(Some(self.release_span(c, i)));
         }
         SmallFree::Freed(None)
+    }
+
+    /// Takes each class's current span out of the slab layer if no object on it is allocated (the
+    /// class's next lowest span with room becomes current), and writes their bases to `out` for the
+    /// engine; returns how many. For an allocation that would fail otherwise: the spans kept for
+    /// the next small object go where they can coalesce.
+    pub(crate) fn take_empty_current(&mut self, out: &mut [usize; NUM_CLASSES]) -> usize {
+        let mut n = 0;
+        for c in 0..NUM_CLASSES {
+            let Some(i) = (self.current[c] as usize).checked_sub(1) else {
+                continue;
+            };
+            if self.spans[i].free as usize == capacity(c) {
+                out[n] = self.release_span(c, i);
+                n += 1;
+                self.current[c] = self.sets.first(c).map_or(0, |j| j as u32 + 1);
+            }
+        }
+        n
     }
 
     /// Takes the empty, non-current span `i` of class `c` out of the slab layer; returns its base
@@ -1191,6 +1217,40 @@ mod tests {
         }
         assert_eq!((h.spans_live, h.objects), (1, 0));
         h.check(base(8)).unwrap();
+    }
+
+    #[test]
+    fn empty_current_spans_are_taken_and_the_next_span_becomes_current() {
+        let c = class_for(4096, 8).unwrap();
+        let d = class_for(16, 8).unwrap();
+        let cap = capacity(c);
+        let mut h = heap(16);
+        let lo: Vec<usize> = (0..cap).map(|_| alloc(&mut h, c, 3)).collect();
+        let hi = alloc(&mut h, c, 7);
+        let kept = alloc(&mut h, d, 9);
+        // Class `c`'s lower span empties and becomes current; the higher one keeps an object.
+        for &p in &lo {
+            assert!(matches!(h.free(p), SmallFree::Freed(None)));
+        }
+        h.check(base(10)).unwrap();
+        let mut out = [0; NUM_CLASSES];
+        assert_eq!(
+            h.take_empty_current(&mut out),
+            1,
+            "only class c's span is empty"
+        );
+        assert_eq!(out[0], base(3));
+        assert_eq!((h.spans_live, h.objects), (2, 2));
+        h.check(base(10)).unwrap();
+        // The span with room left becomes current.
+        assert_eq!(h.alloc(c), Some(hi + 4096));
+        assert_eq!(h.take_empty_current(&mut out), 0);
+        // A class whose last object goes keeps its span again, until the next call.
+        assert!(matches!(h.free(kept), SmallFree::Freed(None)));
+        assert_eq!(h.take_empty_current(&mut out), 1);
+        assert_eq!(out[0], base(9));
+        assert_eq!(h.alloc(d), None, "class d has no span left");
+        h.check(base(10)).unwrap();
     }
 
     #[test]
