@@ -1,6 +1,8 @@
 //! Loom models of the shipped locking: the spinlock, the lazy arena initialisation, the stats, the
 //! thread caches and the `fork` prepare step, all through `GlobalBfc` itself (its lock and atomics
-//! come from the crate's sync shim, which under `--cfg loom` re-exports loom's types).
+//! come from the crate's sync shim, which under `--cfg loom` re-exports loom's types); and, with
+//! feature `cuda`, the device pool and the ordering of a buffer's uses on other streams, over the
+//! simulated device.
 //!
 //! Models stay at two threads: with a third, spinning waiters multiply loom's schedules past what a
 //! CI run can afford. Run (release, bounded), as `.ci/test-all.sh` does:
@@ -519,5 +521,53 @@ fn device_pool_threads_on_two_streams() {
         pool.synchronize();
         assert_eq!(pool.stats().allocator.bytes_in_use, 0);
         pool.check().expect("pool invariants");
+    });
+}
+
+/// Model 5 (device pool, feature `cuda`): two threads use one buffer at once, each on a stream of
+/// its own (neither the buffer's home stream). A use's guard records the event that marks its end
+/// only after the use is queued, outside the record's lock, so a use can begin before another
+/// one's end is recorded. Every interleaving of the two uses: once the buffer is freed, its block
+/// goes to the next owner on the home stream only ordered after both uses.
+#[cfg(feature = "cuda")]
+#[test]
+fn device_buffer_used_on_two_streams_at_once() {
+    use bfc_alloc::cuda::{DevicePool, PoolOptions, SimDevice, SimStream};
+
+    const HOME: SimStream = SimStream(1);
+    loom::model(|| {
+        let dev = SimDevice::new(1 << 30);
+        let pool =
+            DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(64 << 20)).unwrap();
+        // (std's `Arc`: the buffer is freed after both threads are joined.)
+        // SAFETY: simulated device memory is never read.
+        let buf = std::sync::Arc::new(unsafe { pool.alloc::<u8>(&HOME, 4096) }.unwrap());
+        let addr = buf.device_address();
+        let handles: Vec<_> = (2..=3u64)
+            .map(|s| {
+                let buf = buf.clone();
+                thread::spawn(move || (SimStream(s), buf.simulate_use(SimStream(s))))
+            })
+            .collect();
+        let uses: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        drop(std::sync::Arc::into_inner(buf).expect("the threads are done with the buffer"));
+        // SAFETY: as above.
+        let next = unsafe { pool.alloc::<u8>(&HOME, 4096) }.unwrap();
+        assert_eq!(
+            next.device_address(),
+            addr,
+            "the home stream reuses its block"
+        );
+        let next_item = (HOME, dev.queued(HOME) + 1);
+        for (s, item) in uses {
+            assert!(
+                dev.completed(s) >= item || dev.ordered_before((s, item), next_item),
+                "the next owner's work may overlap the use on {s:?}"
+            );
+        }
+        drop(next);
+        dev.complete_all();
+        pool.synchronize();
+        assert_eq!(pool.stats().allocator.bytes_in_use, 0);
     });
 }

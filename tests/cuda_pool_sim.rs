@@ -29,6 +29,7 @@ fn alloc(
 
 const A: SimStream = SimStream(1);
 const B: SimStream = SimStream(2);
+const C: SimStream = SimStream(3);
 
 /// The system allocator, counting the allocations of each thread (tests run in parallel).
 struct Counting;
@@ -107,17 +108,21 @@ fn a_buffer_is_seven_words_on_the_host() {
 }
 
 /// Uses of a buffer on its home stream make no record of uses on other streams (no host
-/// allocation); the first use on another stream makes it, later uses nothing more.
+/// allocation); the first use on another stream makes it, later uses on that stream nothing more.
 #[test]
 fn only_a_use_on_another_stream_makes_a_record() {
     let dev = SimDevice::new(GIB);
     let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
-    // Warm up the simulated device's own bookkeeping of streams A and B.
+    // Warm up the simulated device's own bookkeeping of streams A, B and C, and of events.
     {
         let b = alloc(&p, A, 256).unwrap();
         b.simulate_use(A);
         b.simulate_use(B);
+        b.simulate_use(C);
         b.simulate_use(A);
+        let c = alloc(&p, A, 256).unwrap();
+        c.simulate_use(B);
+        c.simulate_use(C);
     }
     p.synchronize();
     drop(alloc(&p, A, 256).unwrap());
@@ -140,6 +145,21 @@ fn only_a_use_on_another_stream_makes_a_record() {
         x.simulate_use(A);
     });
     assert_eq!(later, 0, "host allocations in later uses");
+    // Each other stream has an event of its own: one more allocation for the first use on a
+    // second other stream, none for later uses.
+    let third = host_allocs(|| {
+        x.simulate_use(C);
+    });
+    assert_eq!(
+        third, 1,
+        "host allocations in the first use on a second other stream"
+    );
+    let later = host_allocs(|| {
+        x.simulate_use(C);
+        x.simulate_use(B);
+        x.simulate_use(A);
+    });
+    assert_eq!(later, 0, "host allocations in later uses on three streams");
 }
 
 /// A synchronisation that waits for a busy stream's pending blocks keeps that stream's queue

@@ -594,3 +594,82 @@ fn waiting_for_an_event_forces_only_the_waits_before_it() {
     assert!(dev.completed(B) < used);
     drop(buf);
 }
+
+/// Uses of `buf` on B and C that overlap (two threads using one buffer, each on its own stream),
+/// or not; the first (on B) ends first or last. Returns their items.
+fn uses_on_b_and_c(buf: &Buf, overlap: bool, b_ends_first: bool) -> (u64, u64) {
+    let on_b = buf.begin_use(&B);
+    let b = on_b.item();
+    let (on_b, on_c) = if overlap {
+        (Some(on_b), buf.begin_use(&C))
+    } else {
+        drop(on_b);
+        (None, buf.begin_use(&C))
+    };
+    let c = on_c.item();
+    if b_ends_first {
+        drop(on_b);
+        drop(on_c);
+    } else {
+        drop(on_c);
+        drop(on_b);
+    }
+    (b, c)
+}
+
+const OVERLAPS: [(bool, bool); 3] = [(true, true), (true, false), (false, true)];
+
+/// Uses on two other streams at once: the free waits for both, whichever ends last.
+#[test]
+fn uses_on_two_other_streams_at_once_both_come_before_the_next_owner() {
+    for (overlap, b_ends_first) in OVERLAPS {
+        let what = format!("overlap: {overlap}, B ends first: {b_ends_first}");
+        let (dev, pool) = setup();
+        let buf = alloc(&pool, A, MIB);
+        let addr = buf.device_address();
+        let (b, c) = uses_on_b_and_c(&buf, overlap, b_ends_first);
+        drop(buf);
+        let again = alloc(&pool, A, MIB);
+        assert_eq!(
+            again.device_address(),
+            addr,
+            "{what}: the block was not reused"
+        );
+        assert!(
+            before_next(&dev, (B, b), A),
+            "{what}: the next owner may overlap the use on B"
+        );
+        assert!(
+            before_next(&dev, (C, c), A),
+            "{what}: the next owner may overlap the use on C"
+        );
+        assert_eq!(
+            (dev.completed(B), dev.completed(C)),
+            (0, 0),
+            "{what}: waited on the host"
+        );
+        drop(again);
+        pool.check().unwrap();
+    }
+}
+
+/// Uses on two other streams at once: zeroing the buffer on its home stream waits for both.
+#[test]
+fn zeroing_waits_for_uses_on_two_other_streams_at_once() {
+    for (overlap, b_ends_first) in OVERLAPS {
+        let what = format!("overlap: {overlap}, B ends first: {b_ends_first}");
+        let (dev, pool) = setup();
+        let mut buf = alloc(&pool, A, MIB);
+        let (b, c) = uses_on_b_and_c(&buf, overlap, b_ends_first);
+        buf.zero().unwrap();
+        let memset = (A, dev.queued(A));
+        assert!(
+            dev.ordered_before((B, b), memset),
+            "{what}: the memset may overlap the use on B"
+        );
+        assert!(
+            dev.ordered_before((C, c), memset),
+            "{what}: the memset may overlap the use on C"
+        );
+    }
+}

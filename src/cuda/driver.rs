@@ -254,10 +254,11 @@ fn sync_raw(stream: &CudaStream) -> Result<(), BackendError> {
 /// `DevicePtrMut::device_ptr_mut`, as cudarc's copies and memsets take them):
 ///
 /// - before such a use, the other stream waits for the work queued so far on the home stream;
-/// - after it, an event is recorded on the other stream, and the home stream waits for it before the
-///   buffer's free is recorded, before the next use on yet another stream, before
-///   [`DeviceBuffer::zero`], and before later uses on the home stream that go through
-///   `device_ptr`/`device_ptr_mut`.
+/// - after it, an event is recorded on the other stream (each other stream has an event of its own,
+///   so uses on two streams at once, from two threads, are both waited for), and the home stream
+///   waits for these events before the buffer's free is recorded, before the next use on yet
+///   another stream, before [`DeviceBuffer::zero`], and before later uses on the home stream that
+///   go through `device_ptr`/`device_ptr_mut`.
 ///
 /// A stream of another context (even a default stream, whose handle is null in every context) is
 /// another stream: the home stream's work is waited for on the host before the use, and the use
@@ -299,14 +300,16 @@ struct CudaOps;
 impl UseOps for CudaOps {
     type Stream = CudaStream;
     type Event = CudaEvent;
+    /// The stream's handle, as an address.
+    type StreamId = usize;
     type Context = Arc<CudaContext>;
 
     fn same_context(&self, a: &CudaStream, b: &CudaStream) -> bool {
         **a.context() == **b.context()
     }
 
-    fn same_stream(&self, a: &CudaStream, b: &CudaStream) -> bool {
-        a.cu_stream() == b.cu_stream()
+    fn stream_id(&self, stream: &CudaStream) -> usize {
+        stream.cu_stream() as usize
     }
 
     fn new_event(&self, stream: &CudaStream) -> Result<CudaEvent, BackendError> {

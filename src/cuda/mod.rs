@@ -118,4 +118,4 @@ pub use buffer::DeviceBuffer;
 pub use driver::{device_count, driver_available, CudaBackend, CudaUses};
 pub use error::{DeviceOom, DeviceStats, PoolError};
 pub use pool::{min_system_memory, DevicePool, MemoryLimit, PoolOptions, GRANULE, OPEN_LIMIT};
-pub use sim::{SimBackend, SimDevice, SimEvent, SimStream, SimUses};
+pub use sim::{SimBackend, SimDevice, SimEvent, SimStream, SimUse, SimUses};

@@ -121,7 +121,9 @@ impl SimState {
                     queued: 0,
                     done: 0,
                     events: 0,
-                    waits: Vec::new(),
+                    // Room enough that the tests counting the pool's host allocations do not
+                    // count the simulator's own.
+                    waits: Vec::with_capacity(256),
                 });
                 self.streams.len() - 1
             }
@@ -248,7 +250,8 @@ impl SimDevice {
                 fail_stream_query: false,
                 fail_finish_uses: false,
                 fail_synchronize: false,
-                use_events: Vec::new(),
+                // (Room, as for a stream's waits.)
+                use_events: Vec::with_capacity(256),
                 fail_use_ordering: false,
                 unmanaged_sync: false,
                 context_errors: Vec::new(),
@@ -612,14 +615,15 @@ pub(crate) struct SimUseEvent(usize);
 impl UseOps for SimDevice {
     type Stream = SimStream;
     type Event = SimUseEvent;
+    type StreamId = u64;
     type Context = u32;
 
     fn same_context(&self, a: &SimStream, b: &SimStream) -> bool {
         a.context() == b.context()
     }
 
-    fn same_stream(&self, a: &SimStream, b: &SimStream) -> bool {
-        a == b
+    fn stream_id(&self, stream: &SimStream) -> u64 {
+        stream.0
     }
 
     fn new_event(&self, _: &SimStream) -> Result<SimUseEvent, BackendError> {
@@ -699,23 +703,64 @@ impl<T> DeviceBuffer<T, SimBackend> {
     /// guard orders one around a cudarc call: the ordering before the use, one item of work on
     /// `stream` (returned: its number there), then the end of the use as cudarc's guard would end
     /// it (skipped while `stream`'s context holds an error, see
-    /// [`SimDevice::set_context_error`]).
+    /// [`SimDevice::set_context_error`]). The same as [`begin_use`](Self::begin_use) with the
+    /// guard dropped at once.
     pub fn simulate_use(&self, stream: SimStream) -> u64 {
+        self.begin_use(&stream).item()
+    }
+
+    /// Starts a simulated use of the buffer on `stream` and returns its guard, as cudarc's
+    /// `DevicePtr::device_ptr` does: the ordering before the use and one item of work on `stream`
+    /// are queued now, and the end of the use (an event recorded after it, or a wait on the host)
+    /// when the guard drops. Holding guards of several streams at once is what two threads using
+    /// one buffer at the same time do.
+    pub fn begin_use<'a>(&'a self, stream: &'a SimStream) -> SimUse<'a> {
         let device = self.pool().with_backend_mut(|b| b.device().clone());
-        let end = self.uses.protocol.enter(&device, &self.stream, &stream);
-        let item = device.enqueue(stream);
-        let skipped = device.lock().context_errors.contains(&stream.context());
-        match end {
+        let end = self.uses.protocol.enter(&device, &self.stream, stream);
+        let item = device.enqueue(*stream);
+        SimUse { device, end, item }
+    }
+}
+
+/// A simulated use of a buffer in progress ([`DeviceBuffer::begin_use`]): ends when dropped.
+pub struct SimUse<'a> {
+    device: SimDevice,
+    end: EndOfUse<'a, SimDevice>,
+    item: u64,
+}
+
+impl SimUse<'_> {
+    /// The use's item of work: its number on its stream.
+    pub fn item(&self) -> u64 {
+        self.item
+    }
+}
+
+impl Drop for SimUse<'_> {
+    fn drop(&mut self) {
+        let device = &self.device;
+        match self.end {
             EndOfUse::Nothing => {}
-            EndOfUse::Record(event, s) if !skipped && device.records_end_of_use(s) => {
-                let _ = device.record(event, s);
+            // cudarc skips the guard's record or wait while the stream's context holds an error.
+            EndOfUse::Record(event, s) => {
+                let skipped = device.lock().context_errors.contains(&s.context());
+                if !skipped && device.records_end_of_use(s) {
+                    let _ = device.record(event, s);
+                }
             }
-            EndOfUse::Record(..) => {}
-            EndOfUse::Sync(s) if !skipped => {
-                let _ = device.sync(s);
+            EndOfUse::Sync(s) => {
+                if !device.lock().context_errors.contains(&s.context()) {
+                    let _ = device.sync(s);
+                }
             }
-            EndOfUse::Sync(_) => {}
         }
-        item
+    }
+}
+
+impl core::fmt::Debug for SimUse<'_> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("SimUse")
+            .field("item", &self.item)
+            .finish_non_exhaustive()
     }
 }

@@ -6,11 +6,12 @@
 //!
 //! - before a use on another stream of the home stream's context, that stream waits for the work
 //!   queued so far on the home stream (an event `before`, recorded on the home stream);
-//! - after it, an event `after` is recorded on the other stream, and the home stream waits for it
-//!   before the buffer's free is ordered ([`Protocol::finish`], which then records an event on the
-//!   home stream: a stream query need not count a wait as work), before the next use on yet
-//!   another stream, and before later uses on the home stream that go through the protocol
-//!   ([`Protocol::before_home_use`]);
+//! - after it, an event of that other stream's own is recorded there (one event per other
+//!   stream, so that uses on two streams at once, by two threads, each leave their own mark), and
+//!   the home stream waits for every such event before the buffer's free is ordered
+//!   ([`Protocol::finish`], which then records an event on the home stream: a stream query need
+//!   not count a wait as work), before the next use on yet another stream, and before later uses
+//!   on the home stream that go through the protocol ([`Protocol::before_home_use`]);
 //! - a use on a stream of another context (events cannot cross contexts) is waited for on the
 //!   host: the home stream before the use, and the use when its guard ends;
 //! - when an event cannot mark the end of a use (it could not be created, or the other stream's
@@ -39,13 +40,16 @@ pub(crate) trait UseOps {
     type Stream: ?Sized;
     /// An event that can be recorded again (a wait waits for its latest record).
     type Event: Send + Sync;
+    /// What tells streams of one context apart, kept to find a stream's event again.
+    type StreamId: PartialEq + Send + Sync;
     /// A context, kept to wait for it at the free.
     type Context: Send;
 
     /// Whether two streams belong to the same context.
     fn same_context(&self, a: &Self::Stream, b: &Self::Stream) -> bool;
-    /// Whether two streams of the same context are the same stream.
-    fn same_stream(&self, a: &Self::Stream, b: &Self::Stream) -> bool;
+    /// `stream`'s id: equal for two streams of one context only if they are the same stream (or
+    /// one was destroyed before the other was created).
+    fn stream_id(&self, stream: &Self::Stream) -> Self::StreamId;
     /// A new event of `stream`'s context.
     fn new_event(&self, stream: &Self::Stream) -> Result<Self::Event, BackendError>;
     /// Records `event` after the work queued so far on `stream`.
@@ -125,7 +129,7 @@ impl<O: UseOps> Protocol<O> {
         if let Some(r) = self.record.get() {
             return r.enter(ops, home, other);
         }
-        if ops.same_context(home, other) && ops.same_stream(home, other) {
+        if ops.same_context(home, other) && ops.stream_id(home) == ops.stream_id(other) {
             // What an empty record does for a use on the home stream: nothing.
             return EndOfUse::Nothing;
         }
@@ -145,13 +149,14 @@ impl<O: UseOps> Protocol<O> {
 
 /// The record of a buffer's uses on other streams.
 struct Record<O: UseOps> {
-    /// Serialises the bookkeeping of concurrent uses.
+    /// Serialises the bookkeeping of concurrent uses (and the additions to `after`).
     lock: Mutex<()>,
     /// Recorded on the home stream before a foreign use; the foreign stream waits for it.
     before: OnceLock<O::Event>,
-    /// Recorded on the foreign stream after its use; the home stream waits for it.
-    after: OnceLock<O::Event>,
-    /// Whether `after` has been handed out for recording.
+    /// One event per foreign stream of the home context, recorded there after each use; the home
+    /// stream waits for them all. The first inline (the record is already a host allocation).
+    after: OnceLock<After<O>>,
+    /// Whether an event of `after` has been handed out for recording.
     foreign: AtomicBool,
     /// Whether a use on another stream of the same context is waited for by its guard.
     synced: AtomicBool,
@@ -187,6 +192,37 @@ impl<O: UseOps> core::fmt::Debug for Record<O> {
             .field("unordered", &self.unordered.get())
             .finish_non_exhaustive()
     }
+}
+
+/// The event that marks the end of the uses on one other stream, and the next such stream's.
+///
+/// The list only grows (by one node per stream, under the record's lock), so references into it
+/// live as long as the record, and it is read without the lock.
+///
+/// One event per stream, not one per buffer: a use's guard records its event after the use is
+/// queued, when the record's lock is no longer held, so a use on one stream may begin before the
+/// end of a use on another is recorded. With one shared event, the later record would replace the
+/// earlier one, and the home stream would wait for only one of the two uses. Records on one stream
+/// follow each other in stream order: the latest marks the end of every use before it there.
+struct After<O: UseOps> {
+    stream: O::StreamId,
+    event: O::Event,
+    next: OnceLock<Box<After<O>>>,
+}
+
+impl<O: UseOps> After<O> {
+    fn new(stream: O::StreamId, event: O::Event) -> Self {
+        After {
+            stream,
+            event,
+            next: OnceLock::new(),
+        }
+    }
+}
+
+/// The events in the list that starts at `first`.
+fn afters<O: UseOps>(first: &OnceLock<After<O>>) -> impl Iterator<Item = &After<O>> {
+    core::iter::successors(first.get(), |a| a.next.get().map(|a| &**a))
 }
 
 /// The event in `cell`, created on first use.
@@ -226,9 +262,42 @@ impl<O: UseOps> Record<O> {
         if !self.foreign.load(Ordering::Acquire) {
             return Ok(());
         }
-        match self.after.get() {
-            Some(after) => ops.wait(home, after),
-            None => Ok(()),
+        // (An event not recorded yet waits for nothing; its use began after this use on the home
+        // stream, or at the same time, unordered by the user.)
+        for after in afters(&self.after) {
+            ops.wait(home, &after.event)?;
+        }
+        Ok(())
+    }
+
+    /// The event that marks the end of the uses on `other` (a stream of the home stream's
+    /// context), created on its first use there. Called with `lock` held.
+    fn after_event(
+        &self,
+        ops: &O,
+        home: &O::Stream,
+        other: &O::Stream,
+    ) -> Result<&O::Event, BackendError> {
+        let id = ops.stream_id(other);
+        let Some(mut after) = self.after.get() else {
+            let event = ops.new_event(home)?;
+            return Ok(&self.after.get_or_init(|| After::new(id, event)).event);
+        };
+        loop {
+            // A destroyed stream's id may come back with a new stream. Its event's last record
+            // came after all its uses (their guards borrowed the stream), and the home stream has
+            // already waited for that record (in `enter`), so the event can serve the new stream.
+            if after.stream == id {
+                return Ok(&after.event);
+            }
+            match after.next.get() {
+                Some(next) => after = next,
+                None => {
+                    let event = ops.new_event(home)?;
+                    let next = after.next.get_or_init(|| Box::new(After::new(id, event)));
+                    return Ok(&next.event);
+                }
+            }
         }
     }
 
@@ -260,7 +329,7 @@ impl<O: UseOps> Record<O> {
     /// and then ends it as the result says.
     fn enter<'a>(&'a self, ops: &O, home: &'a O::Stream, other: &'a O::Stream) -> EndOfUse<'a, O> {
         let same_context = ops.same_context(home, other);
-        if same_context && ops.same_stream(home, other) {
+        if same_context && ops.stream_id(home) == ops.stream_id(other) {
             // A use on the home stream waits for the last use on another stream.
             self.home_waits_for_last_foreign_use(ops, home);
             return EndOfUse::Nothing;
@@ -307,7 +376,7 @@ impl<O: UseOps> Record<O> {
                 self.unordered(e);
             }
         }
-        match lazy_event(ops, &self.after, home) {
+        match self.after_event(ops, home, other) {
             Ok(a) if ops.records_end_of_use(other) => {
                 self.foreign.store(true, Ordering::Release);
                 return EndOfUse::Record(a, other);
@@ -346,8 +415,12 @@ impl<O: UseOps> Record<O> {
                     ),
                 )));
             }
-            if let Some(after) = self.after.get() {
-                ops.wait(home, after)?;
+            let mut waited = false;
+            for after in afters(&self.after) {
+                ops.wait(home, &after.event)?;
+                waited = true;
+            }
+            if waited {
                 // A stream query need not count a wait as work (the pool returns an idle stream's
                 // blocks at once): an event recorded after the wait keeps the home stream busy
                 // until the use has ended.
