@@ -1,5 +1,7 @@
 //! A test-and-test-and-set spinlock built on the crate's sync shim (`src/sync.rs`).
 
+use core::marker::PhantomData;
+
 use crate::sync::{spin_wait, AtomicBool, Ordering, UnsafeCell};
 
 /// A spinlock that yields the thread after a short spin.
@@ -8,12 +10,13 @@ use crate::sync::{spin_wait, AtomicBool, Ordering, UnsafeCell};
 pub struct SpinLock<T> {
     locked: AtomicBool,
     value: UnsafeCell<T>,
-    /// Re-entry detection (std builds, not under loom): an id of the holding thread, and what to call
+    /// Re-entry detection (with `std` or the host allocator's `libc`, not under loom): an id of the
+    /// holding thread, and what to call
     /// when a thread waits for a lock it holds itself (a deadlock, e.g. an allocation made while the
     /// allocator's lock is held by a panic inside it).
-    #[cfg(all(feature = "std", not(loom)))]
+    #[cfg(all(any(feature = "std", all(feature = "host", unix)), not(loom)))]
     owner: crate::sync::AtomicUsize,
-    #[cfg(all(feature = "std", not(loom)))]
+    #[cfg(all(any(feature = "std", all(feature = "host", unix)), not(loom)))]
     on_reentry: Option<fn() -> !>,
 }
 
@@ -27,8 +30,16 @@ fn thread_id() -> usize {
     ID.with(|id| id as *const u8 as usize)
 }
 
+/// An id of the current thread (the host allocator without `std`): its `pthread_t`, never 0.
+#[cfg(all(not(feature = "std"), feature = "host", unix, not(loom)))]
+#[inline(always)]
+fn thread_id() -> usize {
+    // SAFETY: `pthread_self` has no preconditions and cannot fail.
+    unsafe { libc::pthread_self() as usize }
+}
+
 /// Spins after which a waiter checks whether it holds the lock itself.
-#[cfg(all(feature = "std", not(loom)))]
+#[cfg(all(any(feature = "std", all(feature = "host", unix)), not(loom)))]
 const REENTRY_CHECK_SPINS: u32 = 1 << 12;
 
 // SAFETY: the lock hands `&mut T` to one thread at a time (acquire on lock, release on unlock), so
@@ -63,7 +74,7 @@ impl<T> SpinLock<T> {
 
     /// A new unlocked lock that calls `on_reentry` (which must not return, e.g. print and abort)
     /// when a thread waits for the lock while holding it, instead of spinning forever. Detection
-    /// needs `std`; elsewhere this is [`new`](Self::new).
+    /// needs `std` or feature `host` (on Unix); elsewhere this is [`new`](Self::new).
     #[cfg(not(loom))]
     pub const fn with_reentry_handler(value: T, on_reentry: fn() -> !) -> Self {
         Self::build(value, Some(on_reentry))
@@ -75,9 +86,9 @@ impl<T> SpinLock<T> {
         SpinLock {
             locked: AtomicBool::new(false),
             value: UnsafeCell::new(value),
-            #[cfg(feature = "std")]
+            #[cfg(any(feature = "std", all(feature = "host", unix)))]
             owner: crate::sync::AtomicUsize::new(0),
-            #[cfg(feature = "std")]
+            #[cfg(any(feature = "std", all(feature = "host", unix)))]
             on_reentry,
         }
     }
@@ -113,22 +124,25 @@ impl<T> SpinLock<T> {
     /// The guard of a lock just taken, with the owner recorded for the re-entry check.
     #[inline]
     fn held(&self) -> SpinGuard<'_, T> {
-        #[cfg(all(feature = "std", not(loom)))]
+        #[cfg(all(any(feature = "std", all(feature = "host", unix)), not(loom)))]
         if self.on_reentry.is_some() {
             self.owner.store(thread_id(), Ordering::Relaxed);
         }
-        SpinGuard { lock: self }
+        SpinGuard {
+            lock: self,
+            _not_send: PhantomData,
+        }
     }
 
     #[cold]
     fn lock_contended(&self) {
         let mut spins = 0;
-        #[cfg(all(feature = "std", not(loom)))]
+        #[cfg(all(any(feature = "std", all(feature = "host", unix)), not(loom)))]
         let mut waited = 0u32;
         loop {
             while self.locked.load(Ordering::Relaxed) {
                 spin_wait(&mut spins);
-                #[cfg(all(feature = "std", not(loom)))]
+                #[cfg(all(any(feature = "std", all(feature = "host", unix)), not(loom)))]
                 {
                     waited = waited.wrapping_add(1);
                     if waited % REENTRY_CHECK_SPINS == 0 {
@@ -166,7 +180,10 @@ impl<T> SpinLock<T> {
     /// [`SpinLock::lock_held`] and has not released it since.
     #[cfg(feature = "host")]
     pub(crate) unsafe fn unlock_held(&self) {
-        drop(SpinGuard { lock: self });
+        drop(SpinGuard {
+            lock: self,
+            _not_send: PhantomData,
+        });
     }
 
     /// Loom build: runs `f` on the value *without* the lock, as a `fork` child reads the copy of
@@ -191,9 +208,15 @@ impl<T> SpinLock<T> {
 }
 
 /// Exclusive access to a [`SpinLock`]'s value; unlocks on drop.
+///
+/// Not `Send`: it unlocks on the thread that locked, which the re-entry check relies on (a guard
+/// moved to another thread would make the locking thread look like the holder).
 pub struct SpinGuard<'a, T> {
     lock: &'a SpinLock<T>,
+    _not_send: PhantomData<*const ()>,
 }
+
+static_assertions::assert_not_impl_any!(SpinGuard<'static, u32>: Send);
 
 impl<T> SpinGuard<'_, T> {
     /// Runs `f` on the protected value.
@@ -208,7 +231,7 @@ impl<T> SpinGuard<'_, T> {
 impl<T> Drop for SpinGuard<'_, T> {
     #[inline]
     fn drop(&mut self) {
-        #[cfg(all(feature = "std", not(loom)))]
+        #[cfg(all(any(feature = "std", all(feature = "host", unix)), not(loom)))]
         if self.lock.on_reentry.is_some() {
             self.lock.owner.store(0, Ordering::Relaxed);
         }
@@ -216,8 +239,12 @@ impl<T> Drop for SpinGuard<'_, T> {
     }
 }
 
-#[cfg(all(test, feature = "std", not(loom)))]
+/// With `std`, and without it in the host allocator's build (`--no-default-features --features
+/// host`), where the thread id is the `pthread_t`.
+#[cfg(all(test, any(feature = "std", all(feature = "host", unix)), not(loom)))]
 mod tests {
+    extern crate std;
+
     use super::*;
 
     fn reentered() -> ! {

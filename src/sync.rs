@@ -5,7 +5,7 @@
 
 #[cfg(all(not(loom), feature = "host"))]
 pub(crate) use core::sync::atomic::AtomicPtr;
-#[cfg(all(not(loom), feature = "std"))]
+#[cfg(all(not(loom), any(feature = "std", all(feature = "host", unix))))]
 pub(crate) use core::sync::atomic::AtomicUsize;
 #[cfg(not(loom))]
 pub(crate) use core::sync::atomic::{AtomicBool, Ordering};
@@ -64,7 +64,8 @@ impl<T> UnsafeCell<T> {
 
 /// Backs off inside a spin loop; `spins` counts the caller's failed attempts.
 ///
-/// Spins with the CPU hint for the first attempts, then yields the thread (with `std`), so a waiter
+/// Spins with the CPU hint for the first attempts, then yields the thread (with `std`, or with
+/// `libc` for the host allocator; a bare-metal build keeps spinning), so a waiter
 /// does not burn the core its lock holder was descheduled from. Under loom every call yields, as loom
 /// requires.
 #[inline]
@@ -89,7 +90,13 @@ pub(crate) fn spin_wait(spins: &mut u32) {
         } else {
             #[cfg(feature = "std")]
             std::thread::yield_now();
-            #[cfg(not(feature = "std"))]
+            // The host allocator without `std` still has the OS scheduler.
+            #[cfg(all(not(feature = "std"), feature = "host", unix))]
+            // SAFETY: `sched_yield` has no preconditions (it cannot fail on Linux).
+            unsafe {
+                libc::sched_yield();
+            }
+            #[cfg(not(any(feature = "std", all(feature = "host", unix))))]
             core::hint::spin_loop();
         }
     }

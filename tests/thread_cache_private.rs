@@ -413,6 +413,37 @@ fn an_allocation_that_needs_the_room_takes_back_empty_current_spans() {
     a.check().unwrap();
 }
 
+/// A `realloc` that cannot grow in place because an empty span stands after the block, and cannot
+/// move because nothing else is big enough, takes the span back and grows in place.
+#[test]
+fn a_realloc_that_finds_no_room_takes_back_empty_spans_and_grows_in_place() {
+    let a = four_mib_arena(false);
+    let big = Layout::from_size_align(2 << 20, 8).unwrap();
+    let small = Layout::from_size_align(16, 8).unwrap();
+    // SAFETY: valid layouts; each block is written within its size and freed once with its layout.
+    unsafe {
+        let p = a.alloc(big);
+        assert!(!p.is_null());
+        p.write(7);
+        p.add(big.size() - 1).write(9);
+        // A 16-byte block's span comes right after `p`, and stays there, empty, as its class's
+        // current span.
+        let q = a.alloc(small);
+        assert!(!q.is_null());
+        assert!(q as usize > p as usize);
+        a.dealloc(q, small);
+        let grown = a.realloc(p, big, 3 << 20);
+        assert!(!grown.is_null(), "realloc failed with room to spare");
+        assert_eq!(grown, p, "grew in place");
+        assert_eq!((grown.read(), grown.add(big.size() - 1).read()), (7, 9));
+        grown.add((3 << 20) - 1).write(1);
+        a.dealloc(grown, Layout::from_size_align(3 << 20, 8).unwrap());
+    }
+    assert_eq!(a.stats().bytes_in_use, 0);
+    a.check().unwrap();
+    assert!(whole_arena_fits(&a));
+}
+
 /// Blocks in the allocating thread's own cache (and the transfer cache) go back before an
 /// allocation fails.
 #[test]

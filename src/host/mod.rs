@@ -86,7 +86,8 @@
 //! Out of memory (including requests larger than the arena) returns null. Before an allocation
 //! fails for want of room, the heap takes back what it holds only for reuse, and tries once more:
 //! the calling thread's cached blocks, the transfer cache, and each size class's empty current
-//! span. Blocks in another thread's cache stay there until that thread flushes
+//! span (a `realloc` that must move tries to grow in place once more after that). Blocks in
+//! another thread's cache stay there until that thread flushes
 //! ([`GlobalBfc::flush_thread_cache`]) or exits: its fast paths take no lock. Freeing a pointer the
 //! allocator does not own, a double free, or a pointer into the middle of a block aborts the process
 //! with a message naming the problem; the heap is never silently corrupted.
@@ -340,8 +341,11 @@ unsafe impl MemorySource for HostSource {
 
     unsafe fn free_region(&mut self, base: usize, size: usize) {
         debug_assert_eq!(base, self.arena);
-        // SAFETY: the region is our arena's prefix (page-aligned start) and holds nothing in use.
-        // (A refusal only keeps the pages resident; `brk` does not move.)
+        // Only the committed prefix holds pages: past it the reservation stays inaccessible (where
+        // `discard` maps fresh pages, discarding it would make it writable).
+        let size = size.min(self.arena_commit.done);
+        // SAFETY: the range is our arena's committed prefix (page-aligned start) and holds nothing
+        // in use. (A refusal only keeps the pages resident; `brk` does not move.)
         let _ = unsafe { os::discard(base, size & !(self.page - 1)) };
         self.region_out = false;
     }
@@ -1884,16 +1888,36 @@ impl Heap {
             }
             Err(e) => small_error(p, e, "realloc: "),
         }
+        if let Some(q) = self.resize_in_place(ptr, new_size) {
+            return q;
+        }
+        // Allocate the new block under the same lock acquisition.
+        let q = self.allocate(new_size, align);
+        if !q.is_null() {
+            return q;
+        }
+        // Before failing, the allocation took back what the heap held only for reuse (see
+        // `Heap::reclaim`): an empty span that stood after the block may have gone back and
+        // coalesced with the free chunk there.
+        self.resize_in_place(ptr, new_size)
+            .unwrap_or(ptr::null_mut())
+    }
+
+    /// Resizes the engine block at `ptr` to `new_size` bytes where it lies: `ptr` when done, null
+    /// when out of memory, `None` when the block must move.
+    #[inline]
+    fn resize_in_place(&mut self, ptr: *mut u8, new_size: usize) -> Option<*mut u8> {
+        let p = ptr as usize;
         // A shrink makes a record.
         if !self.prepare_records() {
-            return ptr::null_mut();
+            return Some(ptr::null_mut());
         }
         // Growing in place takes (part of) the free chunk after the block: commit exactly as far as
         // the grown block would reach, and only when it can grow. If the kernel refuses, the block
         // moves (a free chunk below the committed end may hold it) instead of failing.
         if let Some(end) = self.bfc.grown_end(p, new_size) {
             if !self.bfc.source_mut().commit_arena(end) {
-                return self.allocate(new_size, align);
+                return None;
             }
         }
         match self.bfc.resize_in_place(p, new_size) {
@@ -1904,10 +1928,9 @@ impl Heap {
                     None => self.note_allocated(p, size),
                 }
                 self.note_peak(new_size);
-                ptr
+                Some(ptr)
             }
-            // Allocate the new block under the same lock acquisition.
-            Ok(Resize::Moved) => self.allocate(new_size, align),
+            Ok(Resize::Moved) => None,
             Err(e) => os::fatal(format_args!("realloc: {e}")),
         }
     }

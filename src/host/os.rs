@@ -150,7 +150,9 @@ pub(crate) unsafe fn unreserve(ptr: NonNull<u8>, size: usize) {
 /// may have returned only part of the range.
 ///
 /// # Safety
-/// The range is page-aligned, inside a mapping made by [`reserve_uncommitted`], and holds nothing anyone needs.
+/// The range is page-aligned, inside a mapping made by [`reserve_uncommitted`], committed (made
+/// read-write by [`commit`]: elsewhere than Linux a discard maps its range afresh, read-write), and
+/// holds nothing anyone needs.
 #[must_use = "only a successful discard zeroes the range"]
 pub(crate) unsafe fn discard(ptr: usize, size: usize) -> bool {
     if size == 0 {
@@ -189,7 +191,7 @@ pub(crate) unsafe fn discard(ptr: usize, size: usize) -> bool {
 /// # Safety
 /// As for [`discard`].
 pub(crate) unsafe fn discard_or_zero(ptr: usize, size: usize) {
-    // SAFETY: forwarded contract; on failure the range is still ours, mapped and writable.
+    // SAFETY: forwarded contract; on failure the range is still ours and committed (writable).
     unsafe {
         if !discard(ptr, size) {
             core::ptr::write_bytes(ptr as *mut u8, 0, size);
