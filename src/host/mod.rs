@@ -319,7 +319,8 @@ impl HostSource {
     fn commit_records(&mut self, records: usize) -> bool {
         self.table_commit.cover(
             records.saturating_mul(core::mem::size_of::<Chunk>()),
-            TABLE_STEP,
+            // (A whole number of pages also where pages are larger than the step.)
+            TABLE_STEP.max(self.page),
         )
     }
 }
