@@ -673,3 +673,81 @@ fn zeroing_waits_for_uses_on_two_other_streams_at_once() {
         );
     }
 }
+
+/// Zeroing a buffer whose last use on another stream had its end unmarked (the guard's record
+/// skipped while the home context held an error) waits for the whole home context, as the free
+/// does.
+#[test]
+fn zeroing_after_an_unmarked_end_of_use_waits_for_the_home_context() {
+    let (dev, pool) = setup();
+    let mut buf = alloc(&pool, A, MIB);
+    dev.set_context_error(0, true);
+    let used = buf.simulate_use(B);
+    buf.zero().unwrap();
+    let memset = (A, dev.queued(A));
+    assert!(
+        dev.completed(B) >= used || dev.ordered_before((B, used), memset),
+        "the memset may overwrite the buffer during the use on B"
+    );
+    dev.set_context_error(0, false);
+}
+
+/// A handle that names no one stream (CUDA's per-thread default stream: each thread's own) gets no
+/// event: the use is waited for when its guard ends.
+#[test]
+fn a_use_on_a_per_thread_stream_is_waited_for_on_the_host() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    let p = SimStream::per_thread(0);
+    let on_p = buf.begin_use(&p);
+    let used = on_p.item();
+    assert!(dev.completed(p) < used);
+    drop(on_p);
+    assert!(
+        dev.completed(p) >= used,
+        "not waited for when the guard ended"
+    );
+    // Other streams keep their events (no host wait).
+    let on_b = buf.simulate_use(B);
+    assert!(dev.completed(B) < on_b);
+    drop(buf);
+    let again = alloc(&pool, A, MIB);
+    assert!(before_next(&dev, (B, on_b), A));
+    drop(again);
+    pool.check().unwrap();
+}
+
+/// A buffer keeps events for at most 16 other streams: a use on one more is waited for on the
+/// host, and the streams that have events keep them.
+#[test]
+fn uses_on_more_streams_than_a_buffer_keeps_events_for_are_waited_for_on_the_host() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    let addr = buf.device_address();
+    let mut uses = Vec::new();
+    for s in (2..18).map(SimStream) {
+        let used = buf.simulate_use(s);
+        assert!(dev.completed(s) < used, "{s:?}: waited for on the host");
+        uses.push((s, used));
+    }
+    let one_more = SimStream(18);
+    let used = buf.simulate_use(one_more);
+    assert!(
+        dev.completed(one_more) >= used,
+        "the 17th stream's use was not waited for"
+    );
+    let again_on_2 = buf.simulate_use(SimStream(2));
+    assert!(dev.completed(SimStream(2)) < again_on_2);
+    uses.push((SimStream(2), again_on_2));
+    drop(buf);
+    let next = alloc(&pool, A, MIB);
+    assert_eq!(next.device_address(), addr);
+    for (s, used) in uses {
+        assert!(
+            before_next(&dev, (s, used), A),
+            "{s:?}: may overlap the next owner"
+        );
+    }
+    drop(next);
+    pool.check().unwrap();
+}

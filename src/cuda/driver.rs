@@ -283,12 +283,13 @@ fn sync_raw(stream: &CudaStream) -> Result<(), BackendError> {
 /// Not tracked: kernel arguments (`launch_builder(..).arg(&buf)` passes the address only: cudarc
 /// gives an argument no access to the launch's stream), and a peer copy from the buffer to memory of
 /// another context (`memcpy_dtod` on a stream of that context, which cudarc runs there but reports
-/// as a use on the buffer's own stream). Launch on the home stream, or order these yourself. One
-/// event marks the end of the foreign uses, so two uses on two other streams that overlap in time
-/// (from two threads, through `&DeviceBuffer`) are both ordered only if the first cudarc call (its
-/// guard dropped, so its end recorded) returned before the second one began; order such concurrent
-/// uses yourself (make the home stream wait for them, then queue work on it after the wait: see
-/// the module docs) before dropping the buffer.
+/// as a use on the buffer's own stream). Launch on the home stream, or order these yourself.
+///
+/// Each other stream has an event of its own, so uses on several streams at once (from several
+/// threads, through `&DeviceBuffer`) are all ordered before the free. A use on the per-thread
+/// default stream (`CudaContext::per_thread_stream`, one handle for each thread's stream), or on
+/// a stream beyond the first 16 other streams a buffer is used on, is waited for on the host when
+/// the cudarc call returns.
 #[derive(Debug, Default)]
 pub struct CudaUses {
     protocol: Protocol<CudaOps>,
@@ -308,8 +309,10 @@ impl UseOps for CudaOps {
         **a.context() == **b.context()
     }
 
-    fn stream_id(&self, stream: &CudaStream) -> usize {
-        stream.cu_stream() as usize
+    fn stream_id(&self, stream: &CudaStream) -> Option<usize> {
+        // The per-thread default stream's handle names the calling thread's stream: two threads'
+        // uses through it are on two streams.
+        Some(stream.cu_stream() as usize).filter(|&h| h != PER_THREAD_STREAM)
     }
 
     fn new_event(&self, stream: &CudaStream) -> Result<CudaEvent, BackendError> {

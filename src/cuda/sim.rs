@@ -41,6 +41,13 @@ impl SimStream {
         SimStream(((ctx as u64) << 32) | n as u64)
     }
 
+    /// A handle of context `ctx` that stands for CUDA's per-thread default stream, which names the
+    /// calling thread's stream: the use protocol cannot tell which stream a use on it ran on. (The
+    /// simulator runs it as one stream.)
+    pub const fn per_thread(ctx: u32) -> SimStream {
+        SimStream::in_context(ctx, u32::MAX)
+    }
+
     /// Its context.
     pub const fn context(self) -> u32 {
         (self.0 >> 32) as u32
@@ -622,8 +629,8 @@ impl UseOps for SimDevice {
         a.context() == b.context()
     }
 
-    fn stream_id(&self, stream: &SimStream) -> u64 {
-        stream.0
+    fn stream_id(&self, stream: &SimStream) -> Option<u64> {
+        (stream.0 as u32 != u32::MAX).then_some(stream.0)
     }
 
     fn new_event(&self, _: &SimStream) -> Result<SimUseEvent, BackendError> {

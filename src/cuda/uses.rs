@@ -14,9 +14,10 @@
 //!   on the home stream that go through the protocol ([`Protocol::before_home_use`]);
 //! - a use on a stream of another context (events cannot cross contexts) is waited for on the
 //!   host: the home stream before the use, and the use when its guard ends;
-//! - when an event cannot mark the end of a use (it could not be created, or the other stream's
-//!   context does not manage stream synchronisation), the use is waited for on the host when its
-//!   guard ends;
+//! - when an event cannot mark the end of a use (it could not be created, the other stream's
+//!   context does not manage stream synchronisation, the stream's handle names no one stream, or
+//!   the buffer has events for [`MAX_STREAM_EVENTS`] other streams already), the use is waited for
+//!   on the host when its guard ends;
 //! - cudarc skips a guard's record or wait while the guard's context holds a recorded error: the
 //!   free, and home-stream work outside a guard ([`Protocol::before_home_use`]), then wait for that
 //!   whole context (another context) or fail so that the pool waits for the device (the home one);
@@ -48,8 +49,9 @@ pub(crate) trait UseOps {
     /// Whether two streams belong to the same context.
     fn same_context(&self, a: &Self::Stream, b: &Self::Stream) -> bool;
     /// `stream`'s id: equal for two streams of one context only if they are the same stream (or
-    /// one was destroyed before the other was created).
-    fn stream_id(&self, stream: &Self::Stream) -> Self::StreamId;
+    /// one was destroyed before the other was created). `None` for a handle that does not name one
+    /// stream (CUDA's per-thread default stream names the calling thread's).
+    fn stream_id(&self, stream: &Self::Stream) -> Option<Self::StreamId>;
     /// A new event of `stream`'s context.
     fn new_event(&self, stream: &Self::Stream) -> Result<Self::Event, BackendError>;
     /// Records `event` after the work queued so far on `stream`.
@@ -129,7 +131,7 @@ impl<O: UseOps> Protocol<O> {
         if let Some(r) = self.record.get() {
             return r.enter(ops, home, other);
         }
-        if ops.same_context(home, other) && ops.stream_id(home) == ops.stream_id(other) {
+        if ops.same_context(home, other) && same_stream(ops, home, other) {
             // What an empty record does for a use on the home stream: nothing.
             return EndOfUse::Nothing;
         }
@@ -194,6 +196,12 @@ impl<O: UseOps> core::fmt::Debug for Record<O> {
     }
 }
 
+/// Other streams that get an event of their own in a buffer's record; uses on further streams are
+/// waited for on the host when their guards end. (Each event costs a stream wait in every later
+/// use on the home stream and at the free, so a buffer used from many short-lived streams keeps
+/// that cost bounded.)
+pub(crate) const MAX_STREAM_EVENTS: usize = 16;
+
 /// The event that marks the end of the uses on one other stream, and the next such stream's.
 ///
 /// The list only grows (by one node per stream, under the record's lock), so references into it
@@ -225,6 +233,12 @@ fn afters<O: UseOps>(first: &OnceLock<After<O>>) -> impl Iterator<Item = &After<
     core::iter::successors(first.get(), |a| a.next.get().map(|a| &**a))
 }
 
+/// Whether `a` and `b`, of one context, are the same stream (a handle that names no one stream is
+/// no stream's).
+fn same_stream<O: UseOps>(ops: &O, a: &O::Stream, b: &O::Stream) -> bool {
+    matches!((ops.stream_id(a), ops.stream_id(b)), (Some(x), Some(y)) if x == y)
+}
+
 /// The event in `cell`, created on first use.
 fn lazy_event<'a, O: UseOps>(
     ops: &O,
@@ -251,15 +265,16 @@ impl<O: UseOps> Record<O> {
     fn before_home_use(&self, ops: &O, home: &O::Stream) -> Result<(), BackendError> {
         self.sync_unmarked_contexts(ops)?;
         let unordered = self.unordered.get().is_some();
-        if unordered || self.synced.load(Ordering::Acquire) {
-            // A failed ordering, or a guard's wait skipped while the home context held an error:
-            // wait for the whole home context (where those uses ran).
+        let foreign = self.foreign.load(Ordering::Acquire);
+        if unordered || foreign || self.synced.load(Ordering::Acquire) {
+            // A failed ordering, or a guard's record or wait skipped while the home context held
+            // an error: wait for the whole home context (where those uses ran).
             let ctx = ops.context(home);
             if unordered || ops.context_error(&ctx).is_err() {
                 ops.sync_context(&ctx)?;
             }
         }
-        if !self.foreign.load(Ordering::Acquire) {
+        if !foreign {
             return Ok(());
         }
         // (An event not recorded yet waits for nothing; its use began after this use on the home
@@ -272,32 +287,37 @@ impl<O: UseOps> Record<O> {
 
     /// The event that marks the end of the uses on `other` (a stream of the home stream's
     /// context), created on its first use there. Called with `lock` held.
+    /// `None` when the record already holds [`MAX_STREAM_EVENTS`] events, none of them `other`'s.
     fn after_event(
         &self,
         ops: &O,
         home: &O::Stream,
-        other: &O::Stream,
-    ) -> Result<&O::Event, BackendError> {
-        let id = ops.stream_id(other);
+        id: O::StreamId,
+    ) -> Result<Option<&O::Event>, BackendError> {
         let Some(mut after) = self.after.get() else {
             let event = ops.new_event(home)?;
-            return Ok(&self.after.get_or_init(|| After::new(id, event)).event);
+            return Ok(Some(
+                &self.after.get_or_init(|| After::new(id, event)).event,
+            ));
         };
+        let mut n = 1;
         loop {
             // A destroyed stream's id may come back with a new stream. Its event's last record
             // came after all its uses (their guards borrowed the stream), and the home stream has
             // already waited for that record (in `enter`), so the event can serve the new stream.
             if after.stream == id {
-                return Ok(&after.event);
+                return Ok(Some(&after.event));
             }
             match after.next.get() {
                 Some(next) => after = next,
+                None if n == MAX_STREAM_EVENTS => return Ok(None),
                 None => {
                     let event = ops.new_event(home)?;
                     let next = after.next.get_or_init(|| Box::new(After::new(id, event)));
-                    return Ok(&next.event);
+                    return Ok(Some(&next.event));
                 }
             }
+            n += 1;
         }
     }
 
@@ -329,7 +349,7 @@ impl<O: UseOps> Record<O> {
     /// and then ends it as the result says.
     fn enter<'a>(&'a self, ops: &O, home: &'a O::Stream, other: &'a O::Stream) -> EndOfUse<'a, O> {
         let same_context = ops.same_context(home, other);
-        if same_context && ops.stream_id(home) == ops.stream_id(other) {
+        if same_context && same_stream(ops, home, other) {
             // A use on the home stream waits for the last use on another stream.
             self.home_waits_for_last_foreign_use(ops, home);
             return EndOfUse::Nothing;
@@ -376,13 +396,19 @@ impl<O: UseOps> Record<O> {
                 self.unordered(e);
             }
         }
-        match self.after_event(ops, home, other) {
-            Ok(a) if ops.records_end_of_use(other) => {
+        let after = match ops.stream_id(other) {
+            Some(id) if ops.records_end_of_use(other) => self.after_event(ops, home, id),
+            _ => Ok(None),
+        };
+        match after {
+            Ok(Some(a)) => {
                 self.foreign.store(true, Ordering::Release);
                 return EndOfUse::Record(a, other);
             }
-            // The event would not be recorded: the use is waited for when its guard ends.
-            Ok(_) => self.synced.store(true, Ordering::Release),
+            // No event can mark the end of the use: it would not be recorded, or the stream's
+            // handle names no one stream, or the record holds events for `MAX_STREAM_EVENTS`
+            // other streams already. The use is waited for when its guard ends.
+            Ok(None) => self.synced.store(true, Ordering::Release),
             Err(e) => self.unordered(e),
         }
         EndOfUse::Sync(other)
