@@ -524,18 +524,27 @@ fn device_pool_threads_on_two_streams() {
     });
 }
 
-/// Model 5 (device pool, feature `cuda`): two threads use one buffer at once, each on a stream of
-/// its own (neither the buffer's home stream). A use's guard records the event that marks its end
-/// only after the use is queued, outside the record's lock, so a use can begin before another
-/// one's end is recorded. Every interleaving of the two uses: once the buffer is freed, its block
-/// goes to the next owner on the home stream only ordered after both uses.
+/// Model 5 (device pool, feature `cuda`): two threads use one buffer at once, on two other
+/// streams, on one other stream, or one on the home stream and one on another. A use's guard
+/// records the event that marks its end only after the use is queued, outside the record's lock,
+/// so a use can begin before another one's end is recorded. Every interleaving: once the buffer is
+/// freed, its block goes to the next owner on the home stream only ordered after both uses.
 #[cfg(feature = "cuda")]
 #[test]
 fn device_buffer_used_on_two_streams_at_once() {
+    for streams in [[2, 3], [2, 2], [1, 2]] {
+        two_threads_use_one_buffer(streams);
+    }
+}
+
+/// Model 5 on streams `SimStream(streams[0])` and `SimStream(streams[1])`; the home stream is
+/// `SimStream(1)`.
+#[cfg(feature = "cuda")]
+fn two_threads_use_one_buffer(streams: [u64; 2]) {
     use bfc_alloc::cuda::{DevicePool, PoolOptions, SimDevice, SimStream};
 
     const HOME: SimStream = SimStream(1);
-    loom::model(|| {
+    loom::model(move || {
         let dev = SimDevice::new(1 << 30);
         let pool =
             DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(64 << 20)).unwrap();
@@ -543,8 +552,9 @@ fn device_buffer_used_on_two_streams_at_once() {
         // SAFETY: simulated device memory is never read.
         let buf = std::sync::Arc::new(unsafe { pool.alloc::<u8>(&HOME, 4096) }.unwrap());
         let addr = buf.device_address();
-        let handles: Vec<_> = (2..=3u64)
-            .map(|s| {
+        let handles: Vec<_> = streams
+            .iter()
+            .map(|&s| {
                 let buf = buf.clone();
                 thread::spawn(move || (SimStream(s), buf.simulate_use(SimStream(s))))
             })
@@ -562,7 +572,7 @@ fn device_buffer_used_on_two_streams_at_once() {
         for (s, item) in uses {
             assert!(
                 dev.completed(s) >= item || dev.ordered_before((s, item), next_item),
-                "the next owner's work may overlap the use on {s:?}"
+                "streams {streams:?}: the next owner's work may overlap the use on {s:?}"
             );
         }
         drop(next);
