@@ -1743,3 +1743,26 @@ fn same_stream_reuse_finds_the_newest_free_behind_thousands_of_older_ones() {
     let y = alloc(&p, A, MIB).unwrap();
     assert_eq!(y.device_address(), x_at, "the newest free was not reused");
 }
+
+/// `num_allocs` counts every allocation, also those a stream's own pending blocks serve (which the
+/// engine does not see).
+#[test]
+fn num_allocs_counts_allocations_served_from_pending_blocks() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    let first = alloc(&p, A, 4096).unwrap();
+    let addr = first.device_address();
+    drop(first);
+    for _ in 0..9 {
+        let b = alloc(&p, A, 4096).unwrap();
+        assert_eq!(
+            b.device_address(),
+            addr,
+            "not served from the pending block"
+        );
+    }
+    assert_eq!(p.stats().allocator.num_allocs, 10);
+    let other = alloc(&p, B, 4096).unwrap();
+    assert_eq!(p.stats().allocator.num_allocs, 11);
+    drop(other);
+}

@@ -128,7 +128,8 @@ impl fmt::Display for DeviceOom {
 pub struct DeviceStats {
     /// Device index.
     pub ordinal: usize,
-    /// The engine's counters (blocks pending on a stream count as in use there).
+    /// The engine's counters (blocks pending on a stream count as in use there). `num_allocs`
+    /// counts every allocation, also those served from a stream's pending blocks.
     pub allocator: Stats,
     /// Freed blocks kept for reuse by their stream, or waiting for its work to finish (see the
     /// stream model in the [module documentation](super)).

@@ -228,6 +228,8 @@ pub(crate) struct State<B: DeviceBackend> {
     /// Blocks freed while the driver could neither order nor wait for their uses: kept in use in
     /// the engine forever.
     stranded_bytes: usize,
+    /// Allocations served from a stream's pending blocks (the engine does not see them).
+    reuses: u64,
     /// Errors that happened where none could be returned (in `Drop`), oldest first.
     errors: Vec<PoolError>,
 }
@@ -624,6 +626,7 @@ impl<B: DeviceBackend> Shared<B> {
         st.poll_pending();
         let align = align.max(1);
         if let Some((p, size)) = st.take_pending(sid, bytes, align) {
+            st.reuses += 1;
             return Ok((p as u64, size));
         }
         // A miss: this stream's open blocks do not fit, so start their way back to the engine. If
@@ -761,6 +764,7 @@ impl<B: DeviceBackend> DevicePool<B> {
                         batches: Vec::with_capacity(SPARES),
                     },
                     stranded_bytes: 0,
+                    reuses: 0,
                     errors: Vec::new(),
                 }),
             }),
@@ -842,7 +846,8 @@ impl<B: DeviceBackend> DevicePool<B> {
     /// Counters: the engine's, pending frees, and the device's memory.
     pub fn stats(&self) -> DeviceStats {
         let mut st = self.shared.lock();
-        let allocator = st.bfc.stats();
+        let mut allocator = st.bfc.stats();
+        allocator.num_allocs += st.reuses;
         let (device_free, device_total) = st.backend().mem_info().unwrap_or((0, 0));
         let (pending_blocks, pending_bytes) = st.pending();
         DeviceStats {
