@@ -99,7 +99,8 @@
 //! child can allocate even when another thread was inside the allocator at the moment of the fork.
 //! Threads that fork at the same time take turns: each fork holds the locks from its prepare step to
 //! its own parent or child step. In the child the other threads' cached blocks are lost (their
-//! threads do not exist there), and the first use rebuilds the cache registry. First-use
+//! threads do not exist there, and a cache may have been mid-update: it cannot be flushed), and
+//! [`GlobalBfc::stats`] goes on counting them in use; the first use rebuilds the cache registry. First-use
 //! initialisation runs under the global heap-list lock, which the handler also takes, so a `fork`
 //! never interrupts an initialisation either.
 
@@ -1110,7 +1111,8 @@ impl GlobalBfc {
     }
 
     /// Returns the calling thread's cached small blocks to the heap (if its cache serves this
-    /// allocator). Returns how many blocks went back. Threads flush automatically when they exit.
+    /// allocator), with the blocks in the heap's transfer cache. Returns how many blocks went back
+    /// from the thread's cache. Threads flush automatically when they exit.
     #[cfg(feature = "std")]
     pub fn flush_thread_cache(&self) -> usize {
         self.bound_cache(|tc| {
