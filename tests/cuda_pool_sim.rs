@@ -1766,3 +1766,20 @@ fn num_allocs_counts_allocations_served_from_pending_blocks() {
     assert_eq!(p.stats().allocator.num_allocs, 11);
     drop(other);
 }
+
+/// Out of memory with no pending frees: nothing can come back, so the pool reports it after one
+/// round of driver requests, not two.
+#[test]
+fn out_of_memory_with_nothing_pending_asks_the_driver_once() {
+    let dev = SimDevice::new(64 * MIB);
+    let p = pool(&dev, PoolOptions::with_limit(GIB));
+    let _a = alloc(&p, A, 40 * MIB).unwrap();
+    let before = dev.requests().len();
+    assert!(alloc(&p, B, 40 * MIB).is_err());
+    let req = dev.requests()[before..].to_vec();
+    assert!(!req.is_empty());
+    assert!(
+        req.windows(2).all(|w| w[1] < w[0]),
+        "the driver was asked again for the same sizes: {req:?}"
+    );
+}

@@ -640,7 +640,8 @@ impl<B: DeviceBackend> Shared<B> {
             st.poll_pending();
         }
         let r = match st.allocate(bytes, align) {
-            Err(AllocError::OutOfMemory(_)) => {
+            // (With nothing pending, nothing can come back: the driver was asked already.)
+            Err(AllocError::OutOfMemory(_)) if st.pending().0 > 0 => {
                 // Wait for every pending free and try once more: the blocks that came back serve
                 // the request if they can, and otherwise the engine gives its fully free regions
                 // back before it grows (so a freed region is reused, not returned and requested).
