@@ -21,8 +21,10 @@
 //! # Fit policy ("good fit")
 //!
 //! A request of `g` granules first looks at the first [`Config::fit_scan`] chunks of its own class and
-//! takes the smallest that fits (ties: lowest address); failing that it takes the head of the first
-//! non-empty higher class, every chunk of which is guaranteed to fit. TensorFlow's exact best fit
+//! takes the smallest that fits (ties: lowest address), going on up to 64 chunks until one fits;
+//! failing that it takes the head of the first non-empty higher class, every chunk of which is
+//! guaranteed to fit. Before the engine grows, or reports out of memory, it looks at every chunk of
+//! the request's own class, so a free chunk that fits is never passed over for good. TensorFlow's exact best fit
 //! (smallest size, then lowest address, kept in `std::set`s) costs O(log n) per operation; the
 //! fragmentation difference on a random workload is measured in `tests/fragmentation.rs`.
 //!
@@ -106,6 +108,10 @@ pub struct Config {
     /// Chunks kept per quick-list size.
     pub quick_depth: usize,
 }
+
+/// Chunks of a class whose chunks may not all fit that an allocation looks at before it moves to a
+/// higher class (at least `fit_scan`); before growing, or failing, it looks at them all.
+const FAST_SCAN: usize = 64;
 
 /// Largest quick-list size in granules.
 pub const QUICK_MAX_GRANULES: usize = 64;
@@ -417,13 +423,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
                 }
             }
         }
-        let fit = if needed == rounded {
-            self.find_fit(needed)
-        } else {
-            self.find_aligned_fit(rounded, align, needed)
-                .or_else(|| self.find_fit(needed))
-        };
-        let found = match fit {
+        let found = match self.find(rounded, align, needed, FAST_SCAN) {
             Some(h) => self.take(h, rounded, align, bound),
             None => self.allocate_slow(rounded, align, needed, bound),
         };
@@ -448,16 +448,18 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
     ) -> Result<Allocated, Refusal> {
         if self.cached_chunks > 0 {
             self.flush_quick_lists();
-            if let Some(h) = self.find_fit(needed) {
-                return self.take(h, rounded, align, bound);
-            }
+        }
+        // Before growing, or failing: every chunk of the classes the fast path looked at only in
+        // part (a class holds a range of sizes, and the chunk that fits may lie deep in its list).
+        if let Some(h) = self.find(rounded, align, needed, usize::MAX) {
+            return self.take(h, rounded, align, bound);
         }
         let mut result = self.extend(needed, align);
         if result.is_err() && self.release_free_regions() > 0 {
             result = self.extend(needed, align);
         }
         result.map_err(Refusal::Oom)?;
-        match self.find_fit(needed) {
+        match self.find_fit(needed, FAST_SCAN) {
             Some(h) => self.take(h, rounded, align, bound),
             None => Err(Refusal::Oom(OomCause::SourceRefused)),
         }
@@ -826,9 +828,28 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
                 || left >= self.config.max_internal_fragmentation)
     }
 
-    /// Finds a free chunk of at least `needed` bytes (see the module docs for the policy).
+    /// Finds a free chunk for a request of `rounded` bytes at `align` (`needed` bytes fit at any
+    /// address), looking at up to `scan` chunks of a class whose chunks may not all fit.
     #[inline]
-    fn find_fit(&self, needed: usize) -> Option<ChunkHandle> {
+    fn find(
+        &self,
+        rounded: usize,
+        align: usize,
+        needed: usize,
+        scan: usize,
+    ) -> Option<ChunkHandle> {
+        if needed == rounded {
+            self.find_fit(needed, scan)
+        } else {
+            self.find_aligned_fit(rounded, align, needed, scan)
+                .or_else(|| self.find_fit(needed, scan))
+        }
+    }
+
+    /// Finds a free chunk of at least `needed` bytes (see the module docs for the policy), looking
+    /// at up to `scan` chunks (at least `fit_scan`) of the request's own class.
+    #[inline]
+    fn find_fit(&self, needed: usize, scan: usize) -> Option<ChunkHandle> {
         let g = needed >> self.granule_shift;
         let b = bin_for(g);
         let mut found = self.bins.first_non_empty_from(b)?;
@@ -852,7 +873,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
                 if scanned >= self.config.fit_scan && best.is_some() {
                     break;
                 }
-                if scanned >= self.config.fit_scan.max(64) {
+                if scanned >= self.config.fit_scan.max(scan) {
                     break;
                 }
                 cur = c.free_next;
@@ -867,9 +888,15 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
 
     /// For an aligned request: a free chunk smaller than `needed` (the size that fits at any address)
     /// that still holds `rounded` bytes at an `align` boundary. The smallest such chunk among up to
-    /// 64 per class, in the lowest class that has one. Without this, an exactly fitting aligned hole
-    /// (say, a freed 64 KiB span) could never be reused for the same request.
-    fn find_aligned_fit(&self, rounded: usize, align: usize, needed: usize) -> Option<ChunkHandle> {
+    /// `scan` per class, in the lowest class that has one. Without this, an exactly fitting aligned
+    /// hole (say, a freed 64 KiB span) could never be reused for the same request.
+    fn find_aligned_fit(
+        &self,
+        rounded: usize,
+        align: usize,
+        needed: usize,
+        scan: usize,
+    ) -> Option<ChunkHandle> {
         let last = bin_for(needed >> self.granule_shift);
         let mut b = bin_for(rounded >> self.granule_shift);
         while let Some(found) = self.bins.first_non_empty_from(b) {
@@ -881,14 +908,16 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
             let mut scanned = 0;
             while let Some(h) = cur {
                 let c = self.table.get(h);
-                let start = align_up(c.ptr(), align);
-                if start - c.ptr() + rounded <= c.size()
-                    && best.is_none_or(|(bs, bp, _)| (c.size(), c.ptr()) < (bs, bp))
-                {
+                // (No aligned start at all for a chunk within `align` of the address space's end.)
+                let fits = c
+                    .ptr()
+                    .checked_next_multiple_of(align)
+                    .is_some_and(|start| start - c.ptr() + rounded <= c.size());
+                if fits && best.is_none_or(|(bs, bp, _)| (c.size(), c.ptr()) < (bs, bp)) {
                     best = Some((c.size(), c.ptr(), h));
                 }
                 scanned += 1;
-                if scanned >= 64 {
+                if scanned >= scan {
                     break;
                 }
                 cur = c.free_next;

@@ -830,3 +830,50 @@ fn grown_end_matches_resize_in_place() {
     }
     checked(&b);
 }
+
+#[test]
+fn a_fitting_chunk_deep_in_its_class_is_found_before_out_of_memory() {
+    // 512 and 528 bytes share a class. 65 freed 512-byte chunks lie ahead of a freed 528-byte one
+    // in its list (last freed first), and nothing else is free: a 528-byte request must find it.
+    let mut b = engine(without_quick_lists(Config::host(1 << 20)));
+    let target = alloc(&mut b, 528, 16);
+    alloc(&mut b, 16, 16);
+    let holes: Vec<usize> = (0..65)
+        .map(|_| {
+            let h = alloc(&mut b, 512, 16);
+            alloc(&mut b, 16, 16);
+            h
+        })
+        .collect();
+    while b.allocate_block(4096, 16).is_ok() {}
+    while b.allocate_block(16, 16).is_ok() {}
+    checked(&b);
+    free(&mut b, target);
+    for h in holes {
+        free(&mut b, h);
+    }
+    assert_eq!(alloc(&mut b, 528, 16), target);
+    // The same for an aligned request (a 64-byte boundary: the 528-byte chunk starts on one).
+    free(&mut b, target);
+    assert_eq!(target % 64, 0);
+    assert_eq!(alloc(&mut b, 528, 64), target);
+}
+
+#[test]
+fn free_chunks_near_the_end_of_the_address_space_do_not_overflow_an_aligned_search() {
+    // A region that ends 4 KiB below the top of the address space: no chunk in it can hold a
+    // block at the largest alignment, and looking for one must not overflow.
+    let base = 0usize.wrapping_sub(1 << 30);
+    let mut b = Bfc::new(
+        Config::host(1 << 29),
+        SimSource::new(base, (1 << 30) - 4096),
+        vec![Chunk::EMPTY; 4096],
+    )
+    .unwrap();
+    alloc(&mut b, 16, 16);
+    assert!(matches!(
+        b.allocate_block(16, MAX_ALIGN),
+        Err(AllocError::OutOfMemory(_))
+    ));
+    checked(&b);
+}
