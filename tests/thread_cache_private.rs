@@ -464,6 +464,12 @@ fn an_allocation_that_needs_the_room_flushes_the_threads_own_cache() {
         let p = unsafe { a.alloc(Layout::from_size_align(8 << 20, 8).unwrap()) };
         assert!(p.is_null());
         assert_eq!(a.thread_cache_bytes(), cached);
+        // Nor can a request aligned beyond what the engine serves.
+        let huge_align = bfc_alloc::core::MAX_ALIGN << 1;
+        // SAFETY: a valid layout.
+        let p = unsafe { a.alloc(Layout::from_size_align(16, huge_align).unwrap()) };
+        assert!(p.is_null());
+        assert_eq!(a.thread_cache_bytes(), cached);
         assert!(
             whole_arena_fits(&a),
             "the cached blocks were not taken back"

@@ -1535,8 +1535,11 @@ impl Heap {
             align
         };
         let mut found = self.large_block(size, grid, align);
-        // (A request larger than the arena never fits: no reclaim for it.)
-        if found.is_none() && size <= self.arena_end - self.small.arena() && self.reclaim() {
+        // (A request larger than the arena, or aligned beyond what the engine serves, never fits:
+        // no reclaim for it.)
+        let may_fit =
+            size <= self.arena_end - self.small.arena() && align <= crate::core::MAX_ALIGN;
+        if found.is_none() && may_fit && self.reclaim() {
             found = self.large_block(size, grid, align);
         }
         match found {
