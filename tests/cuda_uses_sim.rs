@@ -751,3 +751,27 @@ fn uses_on_more_streams_than_a_buffer_keeps_events_for_are_waited_for_on_the_hos
     drop(next);
     pool.check().unwrap();
 }
+
+/// A kernel launched on the home stream with the buffer as an argument comes after the buffer's
+/// uses on other streams (cudarc gives an argument no access to the launch's stream: the home
+/// stream waits when the argument is pushed).
+#[test]
+fn a_launch_on_the_home_stream_comes_after_uses_on_other_streams() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    let on_b = buf.simulate_use(B);
+    let on_c = buf.simulate_use(C);
+    let launch = buf.simulate_launch();
+    assert!(dev.ordered_before((B, on_b), (A, launch)));
+    assert!(dev.ordered_before((C, on_c), (A, launch)));
+    assert_eq!(
+        (dev.completed(B), dev.completed(C)),
+        (0, 0),
+        "waited on the host"
+    );
+    // A buffer never used on another stream: nothing to wait for.
+    let plain = alloc(&pool, A, MIB);
+    let waits = dev.queued(A);
+    plain.simulate_launch();
+    assert_eq!(dev.queued(A), waits + 1, "only the launch was queued");
+}

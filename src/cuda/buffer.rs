@@ -13,9 +13,9 @@ use super::pool::{DevicePool, Shared};
 /// With the CUDA back end it implements cudarc's `DeviceSlice`, `DevicePtr` and `DevicePtrMut`, so
 /// `stream.memcpy_htod(&host, &mut buf)` and `stream.memcpy_dtoh(&buf, &mut host)` accept it like a
 /// `CudaSlice`, and copies on other streams are ordered ([`CudaUses`](super::CudaUses)).
-/// `stream.launch_builder(&f).arg(&buf)` accepts it too, but a kernel argument is only an address:
-/// unlike a `CudaSlice`'s, it is not ordered against other streams, so launch on the home stream
-/// or order the launch yourself.
+/// `stream.launch_builder(&f).arg(&buf)` accepts it too. cudarc does not tell an argument the
+/// launch's stream: pushing one makes the home stream wait for the buffer's uses on other streams,
+/// which orders a launch on the home stream; order a launch on another stream yourself.
 pub struct DeviceBuffer<T, B: DeviceBackend = super::CudaBackend> {
     /// Device address. A field (not computed) so that `&ptr` can be a kernel argument.
     pub(crate) ptr: u64,

@@ -260,9 +260,10 @@ fn sync_raw(stream: &CudaStream) -> Result<(), BackendError> {
 ///   another stream, before [`DeviceBuffer::zero`], and before later uses on the home stream that
 ///   go through `device_ptr`/`device_ptr_mut`.
 ///
-/// A stream of another context (even a default stream, whose handle is null in every context) is
-/// another stream: the home stream's work is waited for on the host before the use, and the use
-/// itself before the call returns (if cudarc skipped that wait, see below, the buffer's free and
+/// A stream of another context (even a default stream, whose handle is null in every context), or
+/// of another `CudaContext` object for the same driver context (cudarc keeps a recorded error per
+/// object), is another stream: the home stream's work is waited for on the host before the use,
+/// and the use itself before the call returns (if cudarc skipped that wait, see below, the buffer's free and
 /// [`DeviceBuffer::zero`] wait for that whole context; if even that fails, the block is never
 /// handed out again).
 ///
@@ -280,10 +281,12 @@ fn sync_raw(stream: &CudaStream) -> Result<(), BackendError> {
 /// take the error out or drop the buffer: the pool can no longer tell once the error is gone (any
 /// fallible cudarc call in the context may take it).
 ///
-/// Not tracked: kernel arguments (`launch_builder(..).arg(&buf)` passes the address only: cudarc
-/// gives an argument no access to the launch's stream), and a peer copy from the buffer to memory of
+/// Kernel arguments are tracked only on the home stream: cudarc gives an argument no access to the
+/// launch's stream, so pushing one (`launch_builder(..).arg(&buf)`) makes the home stream wait for
+/// the buffer's uses on other streams, which orders a launch on the home stream; launch there, or
+/// order a launch on another stream yourself. Not tracked: a peer copy from the buffer to memory of
 /// another context (`memcpy_dtod` on a stream of that context, which cudarc runs there but reports
-/// as a use on the buffer's own stream). Launch on the home stream, or order these yourself.
+/// as a use on the buffer's own stream).
 ///
 /// Each other stream has an event of its own, so uses on several streams at once (from several
 /// threads, through `&DeviceBuffer`) are all ordered before the free. A use on the per-thread
@@ -305,8 +308,12 @@ impl UseOps for CudaOps {
     type StreamId = usize;
     type Context = Arc<CudaContext>;
 
+    // One `CudaContext` object, not just one driver context: cudarc keeps a recorded error per
+    // object, and the checks for a skipped end of use look at the home stream's. A stream of
+    // another object for the same driver context goes the way of another context (waited for on
+    // the host).
     fn same_context(&self, a: &CudaStream, b: &CudaStream) -> bool {
-        **a.context() == **b.context()
+        Arc::ptr_eq(a.context(), b.context())
     }
 
     fn stream_id(&self, stream: &CudaStream) -> Option<usize> {
@@ -359,7 +366,7 @@ impl UseOps for CudaOps {
     }
 
     fn in_context(&self, stream: &CudaStream, ctx: &Arc<CudaContext>) -> bool {
-        **stream.context() == **ctx
+        Arc::ptr_eq(stream.context(), ctx)
     }
 
     fn sync_context(&self, ctx: &Arc<CudaContext>) -> Result<(), BackendError> {
@@ -386,6 +393,12 @@ fn new_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent, BackendError> {
 }
 
 impl CudaUses {
+    /// Before a kernel launch that takes the buffer as an argument (on the home stream, if it is to
+    /// be ordered).
+    fn before_launch(&self, home: &CudaStream) {
+        self.protocol.home_waits_for_foreign_uses(&CudaOps, home);
+    }
+
     fn enter<'a>(&'a self, home: &'a CudaStream, other: &'a CudaStream) -> SyncOnDrop<'a> {
         match self.protocol.enter(&CudaOps, home, other) {
             EndOfUse::Nothing => SyncOnDrop::Record(None),
@@ -426,6 +439,7 @@ impl<T> DevicePtrMut<T> for DeviceBuffer<T, CudaBackend> {
 unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b DeviceBuffer<T, CudaBackend>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b DeviceBuffer<T, CudaBackend>) -> &mut Self {
+        arg.uses.before_launch(&arg.stream);
         <Self as PushKernelArg<&'b u64>>::arg(self, &arg.ptr)
     }
 }
@@ -434,6 +448,7 @@ unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b DeviceBuffer<T, CudaBackend>> for L
 unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut DeviceBuffer<T, CudaBackend>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b mut DeviceBuffer<T, CudaBackend>) -> &mut Self {
+        arg.uses.before_launch(&arg.stream);
         <Self as PushKernelArg<&'b u64>>::arg(self, &arg.ptr)
     }
 }
@@ -485,9 +500,13 @@ impl DevicePool<CudaBackend> {
         src: &[T],
     ) -> Result<DeviceBuffer<T>, PoolError> {
         // SAFETY: the whole buffer is overwritten by the copy, queued before any other use on `stream`.
-        let mut buf = unsafe { self.alloc::<T>(stream, src.len()) }?;
-        stream
-            .memcpy_htod(src, &mut buf)
+        let buf = unsafe { self.alloc::<T>(stream, src.len()) }?;
+        // Through the driver, not cudarc's `memcpy_htod`, which would take the context's recorded
+        // error (the user's) first.
+        bind(stream.context())?;
+        // SAFETY: `buf` holds `src.len()` values of `T` in `stream`'s context (a new buffer: no use
+        // to order before the copy), and `src` is a host slice of as many.
+        unsafe { result::memcpy_htod_async(buf.ptr, src, stream.cu_stream()) }
             .map_err(|e| PoolError::Backend(err("cuMemcpyHtoDAsync")(e)))?;
         Ok(buf)
     }

@@ -61,7 +61,8 @@
 //! `DevicePtrMut::device_ptr_mut` (as `memcpy_*` do): the other stream first waits for the home
 //! stream, and the home stream waits for that use before the free is recorded and before
 //! [`DeviceBuffer::zero`] ([`CudaUses`]). A stream of another context is waited for on the host
-//! instead, around the use. A raw
+//! instead, around the use. A kernel argument makes the home stream wait for the uses on other
+//! streams, which orders a launch on the home stream. A raw
 //! address ([`DeviceBuffer::device_address`]), a kernel argument on another stream, or a peer copy
 //! to another context's memory (`memcpy_dtod` on that context's stream) is yours to order. If you
 //! order it by making the home stream wait for an event recorded after the use, queue some work on

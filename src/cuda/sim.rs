@@ -716,6 +716,17 @@ impl<T> DeviceBuffer<T, SimBackend> {
         self.begin_use(&stream).item()
     }
 
+    /// Simulates a kernel launch on the buffer's home stream that takes the buffer as an argument,
+    /// as the CUDA back end's `PushKernelArg` orders one (the home stream waits for the uses on
+    /// other streams), and returns its item of work there.
+    pub fn simulate_launch(&self) -> u64 {
+        let device = self.pool().with_backend_mut(|b| b.device().clone());
+        self.uses
+            .protocol
+            .home_waits_for_foreign_uses(&device, &self.stream);
+        device.enqueue(self.stream)
+    }
+
     /// Starts a simulated use of the buffer on `stream` and returns its guard, as cudarc's
     /// `DevicePtr::device_ptr` does: the ordering before the use and one item of work on `stream`
     /// are queued now, and the end of the use (an event recorded after it, or a wait on the host)

@@ -140,6 +140,15 @@ impl<O: UseOps> Protocol<O> {
             .enter(ops, home, other)
     }
 
+    /// Before work on the home stream that the protocol does not see end (a kernel launch that
+    /// takes the buffer as an argument): makes the home stream wait for the uses on other streams;
+    /// if that fails, the free waits for the whole context.
+    pub(crate) fn home_waits_for_foreign_uses(&self, ops: &O, home: &O::Stream) {
+        if let Some(r) = self.record.get() {
+            r.home_waits_for_last_foreign_use(ops, home);
+        }
+    }
+
     /// See [`Record::finish`]; nothing to do if the buffer was never used on another stream.
     pub(crate) fn finish(&self, ops: &O, home: &O::Stream) -> Result<(), UsesError> {
         match self.record.get() {
