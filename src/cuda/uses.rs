@@ -73,7 +73,7 @@ pub(crate) trait UseOps {
     /// guard's record or wait while its context holds a recorded error); leaves the error there.
     fn context_error(&self, ctx: &Self::Context) -> Result<(), BackendError>;
     /// Blocks until all the work queued in `ctx` has finished (leaving the calling thread's
-    /// current context as it was).
+    /// current context as it was, if it had one).
     fn sync_context(&self, ctx: &Self::Context) -> Result<(), BackendError>;
 }
 
