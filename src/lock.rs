@@ -18,6 +18,9 @@ pub struct SpinLock<T> {
     owner: crate::sync::AtomicUsize,
     #[cfg(all(any(feature = "std", all(feature = "host", unix)), not(loom)))]
     on_reentry: Option<fn() -> !>,
+    /// Unit tests: how many times a waiter ran the re-entry check.
+    #[cfg(all(test, any(feature = "std", all(feature = "host", unix)), not(loom)))]
+    reentry_checks: crate::sync::AtomicUsize,
 }
 
 /// An id of the current thread: the address of a thread-local (no allocation, no registration).
@@ -90,6 +93,8 @@ impl<T> SpinLock<T> {
             owner: crate::sync::AtomicUsize::new(0),
             #[cfg(any(feature = "std", all(feature = "host", unix)))]
             on_reentry,
+            #[cfg(all(test, any(feature = "std", all(feature = "host", unix))))]
+            reentry_checks: crate::sync::AtomicUsize::new(0),
         }
     }
 
@@ -146,6 +151,8 @@ impl<T> SpinLock<T> {
                 {
                     waited = waited.wrapping_add(1);
                     if waited % REENTRY_CHECK_SPINS == 0 {
+                        #[cfg(test)]
+                        self.reentry_checks.fetch_add(1, Ordering::Relaxed);
                         if let Some(handler) = self.on_reentry {
                             // Only this thread writes its own id, so seeing it means it holds the lock.
                             if self.owner.load(Ordering::Relaxed) == thread_id() {
@@ -276,6 +283,18 @@ mod tests {
     #[test]
     fn other_threads_wait_instead_of_tripping_the_handler() {
         static L: SpinLock<u64> = SpinLock::with_reentry_handler(0, reentered);
+        // One thread holds the lock until another has waited long enough to run the re-entry
+        // check: that waiter is not the holder, so the handler must not run (it would panic).
+        let held = L.lock();
+        let waiter = std::thread::spawn(|| L.lock().with(|v| *v += 1));
+        while L.reentry_checks.load(Ordering::Relaxed) == 0 {
+            std::thread::yield_now();
+        }
+        drop(held);
+        waiter
+            .join()
+            .expect("the waiter tripped the re-entry handler");
+        // And under contention.
         // (Fewer rounds under Miri, which runs each spin wait step by step.)
         let rounds = if cfg!(miri) { 300 } else { 20_000 };
         let threads: std::vec::Vec<_> = (0..4)
@@ -290,7 +309,7 @@ mod tests {
         for t in threads {
             t.join().unwrap();
         }
-        assert_eq!(L.lock().with(|v| *v), 4 * rounds);
+        assert_eq!(L.lock().with(|v| *v), 1 + 4 * rounds);
     }
 
     #[test]

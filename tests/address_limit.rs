@@ -63,6 +63,11 @@ fn run_in_child(test: &str) -> Option<String> {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let all = format!("{stdout}\n{stderr}");
     assert!(out.status.success(), "{all}");
+    // The child ran the test (a filter that no longer matches would run none, and exit 0).
+    assert!(
+        all.contains("1 passed"),
+        "{test} did not run in the child: {all}"
+    );
     Some(all)
 }
 

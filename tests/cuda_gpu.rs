@@ -1,5 +1,7 @@
 //! The device pool on a real GPU. Each test prints `skipping: <reason>` and returns when there is no
-//! CUDA driver or no device, so the suite passes on machines without a GPU.
+//! CUDA driver or no device, so the suite passes on machines without a GPU. Any other failure to
+//! open the device fails the test; with `BFC_REQUIRE_GPU=1` (set it on a GPU machine) a missing
+//! driver or device fails it too.
 
 use std::sync::Arc;
 
@@ -10,30 +12,27 @@ use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
 
 const MIB: usize = 1 << 20;
 
-/// A pool on device 0, or the reason there is none.
+/// Skips the calling test for `reason` (printed), or fails it when `BFC_REQUIRE_GPU=1`.
+fn skip<T>(reason: &str) -> Option<T> {
+    if std::env::var("BFC_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        panic!("BFC_REQUIRE_GPU=1, but {reason}");
+    }
+    println!("skipping: {reason}");
+    None
+}
+
+/// A pool on device 0; `None` (the test skips) when there is no driver or no device. Any other
+/// failure fails the test: a pool that cannot open a present device is a bug to see.
 fn pool(options: PoolOptions) -> Option<DevicePool> {
     if !driver_available() {
-        println!("skipping: the CUDA driver library (libcuda) is not present");
-        return None;
+        return skip("the CUDA driver library (libcuda) is not present");
     }
     match device_count() {
-        Ok(0) => {
-            println!("skipping: no CUDA device");
-            return None;
-        }
-        Err(e) => {
-            println!("skipping: {e}");
-            return None;
-        }
+        Ok(0) => return skip("no CUDA device"),
+        Err(e) => panic!("the driver is present, but counting devices failed: {e}"),
         Ok(_) => {}
     }
-    match DevicePool::new(0, options) {
-        Ok(p) => Some(p),
-        Err(e) => {
-            println!("skipping: cannot open device 0: {e}");
-            None
-        }
-    }
+    Some(DevicePool::new(0, options).expect("a pool on device 0"))
 }
 
 #[test]
@@ -161,16 +160,9 @@ extern "C" __global__ void spin_fill(unsigned int *p, unsigned long long n, unsi
 fn spin_fill_kernel(ctx: &Arc<CudaContext>) -> Option<cudarc::driver::CudaFunction> {
     // SAFETY: only tries to load the NVRTC library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        println!("skipping: NVRTC (libnvrtc) is not present");
-        return None;
+        return skip("NVRTC (libnvrtc) is not present");
     }
-    let ptx = match cudarc::nvrtc::compile_ptx(SPIN_FILL) {
-        Ok(p) => p,
-        Err(e) => {
-            println!("skipping: NVRTC cannot compile the test kernel: {e}");
-            return None;
-        }
-    };
+    let ptx = cudarc::nvrtc::compile_ptx(SPIN_FILL).expect("NVRTC compiles the test kernel");
     Some(
         ctx.load_module(ptx)
             .unwrap()
