@@ -632,6 +632,27 @@ fn child_entry() {
                 let mut x = 0u64;
                 let _ = realloc(&mut x as *mut u64 as *mut u8, l, 128);
             }
+            "realloc_double_free" => {
+                dealloc(p, l);
+                // Back in its span (not a cached block, which still reads as allocated there).
+                #[cfg(feature = "std")]
+                A.flush_thread_cache();
+                let _ = realloc(p, l, 128);
+            }
+            "realloc_interior" => {
+                let _ = realloc(p.add(16), l, 128);
+            }
+            "realloc_double_free_large" => {
+                let big = Layout::from_size_align(100_000, 8).unwrap();
+                let q = std::hint::black_box(alloc(big));
+                dealloc(q, big);
+                let _ = realloc(q, big, 200_000);
+            }
+            "realloc_interior_large" => {
+                let big = Layout::from_size_align(100_000, 8).unwrap();
+                let q = std::hint::black_box(alloc(big));
+                let _ = realloc(q.add(4096), big, 200_000);
+            }
             "uncommitted" => {
                 // Inside the arena (64 GiB from a start near `p`), far above the memory the heap
                 // has committed: its pointer-map entries are not accessible.
@@ -756,6 +777,17 @@ fn a_free_far_above_the_used_arena_aborts_with_a_message() {
 #[test]
 fn foreign_pointer_realloc_aborts() {
     assert_aborts("realloc_foreign", "realloc: free of pointer");
+}
+
+#[test]
+fn realloc_of_a_freed_block_or_an_interior_pointer_aborts() {
+    assert_aborts("realloc_double_free", "double free of pointer");
+    assert_aborts("realloc_interior", "into the middle of the block");
+    assert_aborts(
+        "realloc_double_free_large",
+        "realloc: double free of pointer",
+    );
+    assert_aborts("realloc_interior_large", "into the middle of the block");
 }
 
 #[test]

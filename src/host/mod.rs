@@ -2820,6 +2820,27 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "spawns a child process")]
+    fn a_thread_that_reenters_the_heap_lock_aborts() {
+        let case = "a_thread_that_reenters_the_heap_lock_aborts";
+        if is_child(case) {
+            let a = small_instance();
+            // What an allocation from inside the allocator would do: wait for the lock it holds.
+            a.with_heap(|_| a.with_heap(|_| ()));
+            std::println!("child survived");
+            return;
+        }
+        let (status, stdout, stderr) = run_child(case);
+        assert_eq!(status.signal(), Some(libc::SIGABRT), "{stderr}");
+        assert!(
+            stderr
+                .contains("bfc-alloc: fatal: allocator re-entered by the thread holding its lock"),
+            "{stderr}"
+        );
+        assert!(!stdout.contains("survived"));
+    }
+
+    #[test]
     fn the_recorded_end_of_touched_memory_covers_whole_blocks() {
         // A request that is not a multiple of the granule gets a larger block; its caller may write
         // all of it (`usable_size`), so the heap's end of touched memory must cover it.
