@@ -632,6 +632,21 @@ fn child_entry() {
                 let mut x = 0u64;
                 let _ = realloc(&mut x as *mut u64 as *mut u8, l, 128);
             }
+            "free_uninit" | "realloc_uninit" => {
+                // An instance whose arena could not be reserved never has a heap: no pointer can
+                // be its block.
+                let local = GlobalBfc::with_config(bfc_alloc::HostConfig {
+                    arena_size: 1 << 61,
+                    min_arena_size: 1 << 60,
+                    ..bfc_alloc::HostConfig::DEFAULT
+                });
+                assert!(local.alloc(l).is_null());
+                if case == "free_uninit" {
+                    local.dealloc(p, l);
+                } else {
+                    let _ = local.realloc(p, l, 128);
+                }
+            }
             "realloc_double_free" => {
                 dealloc(p, l);
                 // Back in its span (not a cached block, which still reads as allocated there).
@@ -777,6 +792,14 @@ fn a_free_far_above_the_used_arena_aborts_with_a_message() {
 #[test]
 fn foreign_pointer_realloc_aborts() {
     assert_aborts("realloc_foreign", "realloc: free of pointer");
+}
+
+#[test]
+fn a_free_into_an_instance_that_has_no_heap_aborts() {
+    assert_aborts("free_uninit", "free of pointer");
+    assert_aborts("free_uninit", "but the heap was never initialised");
+    assert_aborts("realloc_uninit", "realloc of pointer");
+    assert_aborts("realloc_uninit", "but the heap was never initialised");
 }
 
 #[test]
