@@ -586,6 +586,30 @@ mod tests {
         }
     }
 
+    /// A refill that would write past a stack's capacity (a bug in a caller) aborts instead of
+    /// writing into the next class's stack.
+    #[test]
+    #[cfg_attr(miri, ignore = "spawns a child process")]
+    fn overfilling_a_stack_aborts() {
+        let case = "overfilling_a_stack_aborts";
+        if super::super::tests::is_child(case) {
+            let tc = ThreadCache::new();
+            let blocks: std::vec::Vec<usize> = (1..=bin_capacity(3) + 1).collect();
+            tc.fill_reversed(3, &blocks);
+            std::println!("child survived");
+            return;
+        }
+        let (status, stdout, stderr) =
+            super::super::tests::run_child_at("host::tcache::tests", case);
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc::SIGABRT), "{stderr}");
+        assert!(
+            stderr.contains("bfc-alloc: fatal: thread cache overfilled (class 3)"),
+            "{stderr}"
+        );
+        assert!(!stdout.contains("survived"));
+    }
+
     #[test]
     fn plausible_stops_at_the_arena_end() {
         let classes: std::vec::Vec<AtomicU8> = (0..2).map(|_| AtomicU8::new(1)).collect();
