@@ -8,6 +8,8 @@ echo "== unit, integration and doc tests"
 cargo test --all-targets
 cargo test --doc
 cargo test --all-targets --features cuda   # the device pool; GPU tests skip without a driver
+# Release builds check some bad frees later than debug builds (the fast paths trust the layout).
+cargo test --release --test global
 
 echo "== no_std core (no default features), host and bare-metal target"
 cargo build --no-default-features

@@ -599,6 +599,14 @@ fn child_entry() {
                 dealloc(p, Layout::from_size_align(16, 8).unwrap());
                 report_and_exit(p);
             }
+            "wrong_layout_flushed" => {
+                // Release builds: the fast path takes the layout's word and caches the block as a
+                // 16-byte one; it is caught when the cache gives it back.
+                dealloc(p, Layout::from_size_align(16, 8).unwrap());
+                #[cfg(feature = "std")]
+                A.flush_thread_cache();
+                libc::_exit(0);
+            }
             "large_freed_as_small" => {
                 // Any 16-byte-aligned offset is a 16-byte object start; a large block's start freed
                 // with a 16-byte layout must not join the 16-byte stack either.
@@ -736,6 +744,15 @@ fn thread_cache_double_frees_abort() {
         stderr.contains("holding a block twice"),
         "check() did not report the doubled block: {stderr:?}"
     );
+}
+
+/// Release builds (`.ci/test-all.sh` runs this file with `--release` too): a free with a small
+/// layout of another class than the block's goes into the thread cache on the layout's word, and
+/// aborts when the cache gives the block back to its span.
+#[cfg(all(feature = "std", not(debug_assertions)))]
+#[test]
+fn a_free_with_another_class_aborts_when_the_cache_gives_it_back() {
+    assert_aborts("wrong_layout_flushed", "size class is not the block's");
 }
 
 /// Debug builds: frees with a small layout of another class than the block's (or of a large block)
