@@ -171,10 +171,11 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         if in_use_bytes != self.stats.bytes_in_use || in_use_chunks != self.in_use_chunks {
             return fail("bytes_in_use or chunk count disagrees with a recount", 0);
         }
-        if reserved != self.stats.bytes_reserved || reserved > self.stats.peak_bytes_reserved {
+        if reserved != self.stats.bytes_reserved {
             return fail("bytes_reserved disagrees with the regions", 0);
         }
         if self.stats.bytes_in_use > self.stats.peak_bytes_in_use
+            || self.stats.bytes_reserved > self.stats.peak_bytes_reserved
             || self.stats.bytes_reserved > self.config.memory_limit
         {
             return fail("a peak or the limit is below the current value", 0);

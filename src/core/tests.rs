@@ -409,7 +409,10 @@ fn checker_detects_corruption() {
     let _q = alloc(&mut b, 64, 8);
     // Corrupt the counters and the chunk list directly.
     b.stats.bytes_in_use += 16;
-    assert!(b.check().is_err());
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "bytes_in_use or chunk count disagrees with a recount"
+    );
     b.stats.bytes_in_use -= 16;
     checked(&b);
     let h = b.lookup_in_use(p).unwrap();
@@ -739,7 +742,10 @@ fn the_checker_sees_reserved_bytes_above_their_peak() {
     let mut b = engine(Config::host(1 << 30));
     alloc(&mut b, 64, 16);
     b.stats.peak_bytes_reserved -= 16;
-    assert!(b.check().is_err());
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "a peak or the limit is below the current value"
+    );
 }
 
 #[test]
@@ -751,7 +757,10 @@ fn the_checker_sees_a_chunk_in_another_sizes_quick_list() {
     b.quick_heads[4] = b.quick_heads[3].take();
     b.quick_len[4] = 1;
     b.quick_len[3] = 0;
-    assert!(b.check().is_err());
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "quick list holds a wrong chunk or is too long"
+    );
 }
 
 /// A bounded allocation takes a chunk only if the block ends at or below the bound: the quick
