@@ -2819,6 +2819,34 @@ mod tests {
         assert!(!stdout.contains("survived"));
     }
 
+    /// The checker sees a block in the calling thread's cache that its span holds as free (a double
+    /// free not caught yet).
+    #[test]
+    fn the_checker_sees_a_thread_cache_holding_a_free_block() {
+        std::thread::spawn(|| {
+            let a = small_instance();
+            let l = Layout::from_size_align(64, 8).unwrap();
+            // SAFETY: a valid layout; the block is freed once with it.
+            let p = unsafe { a.alloc(l) } as usize;
+            assert_ne!(p, 0);
+            // SAFETY: as above.
+            unsafe { a.dealloc(p as *mut u8, l) };
+            a.flush_thread_cache();
+            a.check().unwrap();
+            let c = small::class_for(64, 8).unwrap();
+            tcache::with(|tc| tc.fill(c, p)).unwrap();
+            assert_eq!(
+                a.check().unwrap_err().what,
+                "thread cache holds a block that is not a live object of its class"
+            );
+            // Take it out again before the thread's exit flush meets it.
+            assert_eq!(tcache::with(|tc| tc.pop(c)).unwrap(), Some(p));
+            a.check().unwrap();
+        })
+        .join()
+        .unwrap();
+    }
+
     #[test]
     #[cfg_attr(miri, ignore = "spawns a child process")]
     fn a_thread_that_reenters_the_heap_lock_aborts() {
