@@ -2847,6 +2847,51 @@ mod tests {
         .unwrap();
     }
 
+    /// The checker sees a block in use past the heap's recorded end of touched memory, and a block
+    /// in the transfer cache that its span holds as free.
+    #[test]
+    fn the_checker_sees_a_block_past_brk_and_a_free_block_in_the_transfer_cache() {
+        let a = GlobalBfc::with_config(HostConfig {
+            thread_cache: false,
+            ..*small_instance().config()
+        });
+        let big = Layout::from_size_align(1 << 20, 8).unwrap();
+        // SAFETY: a valid layout; freed once with it below.
+        let p = unsafe { a.alloc(big) };
+        assert!(!p.is_null());
+        a.check().unwrap();
+        let brk = a
+            .with_heap(|h| core::mem::replace(&mut h.brk, p as usize))
+            .unwrap();
+        assert_eq!(
+            a.check().unwrap_err().what,
+            "a block in use ends past the heap's recorded end of touched memory"
+        );
+        a.with_heap(|h| h.brk = brk).unwrap();
+        a.check().unwrap();
+        // SAFETY: allocated above with `big`.
+        unsafe { a.dealloc(p, big) };
+
+        let l = Layout::from_size_align(64, 8).unwrap();
+        // SAFETY: a valid layout; freed once with it.
+        let q = unsafe { a.alloc(l) } as usize;
+        assert_ne!(q, 0);
+        // SAFETY: as above.
+        unsafe { a.dealloc(q as *mut u8, l) };
+        let c = small::class_for(64, 8).unwrap();
+        a.with_heap(|h| assert_eq!(h.transfer.push_from(c, &[q]), 1))
+            .unwrap();
+        assert_eq!(
+            a.check().unwrap_err().what,
+            "transfer cache holds a block that is not a live object of its class"
+        );
+        let mut out = [0usize; 1];
+        a.with_heap(|h| assert_eq!(h.transfer.pop_into(c, &mut out), 1))
+            .unwrap();
+        assert_eq!(out[0], q);
+        a.check().unwrap();
+    }
+
     #[test]
     #[cfg_attr(miri, ignore = "spawns a child process")]
     fn a_thread_that_reenters_the_heap_lock_aborts() {
