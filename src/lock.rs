@@ -133,10 +133,7 @@ impl<T> SpinLock<T> {
         if self.on_reentry.is_some() {
             self.owner.store(thread_id(), Ordering::Relaxed);
         }
-        SpinGuard {
-            lock: self,
-            _not_send: PhantomData,
-        }
+        SpinGuard::new(self)
     }
 
     #[cold]
@@ -187,10 +184,7 @@ impl<T> SpinLock<T> {
     /// [`SpinLock::lock_held`] and has not released it since.
     #[cfg(feature = "host")]
     pub(crate) unsafe fn unlock_held(&self) {
-        drop(SpinGuard {
-            lock: self,
-            _not_send: PhantomData,
-        });
+        drop(SpinGuard::new(self));
     }
 
     /// Loom build: runs `f` on the value *without* the lock, as a `fork` child reads the copy of
@@ -225,7 +219,16 @@ pub struct SpinGuard<'a, T> {
 
 static_assertions::assert_not_impl_any!(SpinGuard<'static, u32>: Send);
 
-impl<T> SpinGuard<'_, T> {
+impl<'a, T> SpinGuard<'a, T> {
+    /// The guard of `lock`, which the calling thread has just taken.
+    #[inline]
+    fn new(lock: &'a SpinLock<T>) -> Self {
+        SpinGuard {
+            lock,
+            _not_send: PhantomData,
+        }
+    }
+
     /// Runs `f` on the protected value.
     #[inline]
     pub fn with<R>(&mut self, f: impl FnOnce(&mut T) -> R) -> R {

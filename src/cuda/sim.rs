@@ -720,7 +720,7 @@ impl<T> DeviceBuffer<T, SimBackend> {
     /// as the CUDA back end's `PushKernelArg` orders one (the home stream waits for the uses on
     /// other streams), and returns its item of work there.
     pub fn simulate_launch(&self) -> u64 {
-        let device = self.pool().with_backend_mut(|b| b.device().clone());
+        let device = self.sim_device();
         self.uses
             .protocol
             .home_waits_for_foreign_uses(&device, &self.stream);
@@ -733,10 +733,15 @@ impl<T> DeviceBuffer<T, SimBackend> {
     /// when the guard drops. Holding guards of several streams at once is what two threads using
     /// one buffer at the same time do.
     pub fn begin_use<'a>(&'a self, stream: &'a SimStream) -> SimUse<'a> {
-        let device = self.pool().with_backend_mut(|b| b.device().clone());
+        let device = self.sim_device();
         let end = self.uses.protocol.enter(&device, &self.stream, stream);
         let item = device.enqueue(*stream);
         SimUse { device, end, item }
+    }
+
+    /// The simulated device of the buffer's pool.
+    fn sim_device(&self) -> SimDevice {
+        self.pool().with_backend_mut(|b| b.device().clone())
     }
 }
 

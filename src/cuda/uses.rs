@@ -288,10 +288,17 @@ impl<O: UseOps> Record<O> {
         }
         // (An event not recorded yet waits for nothing; its use began after this use on the home
         // stream, or at the same time, unordered by the user.)
+        self.home_waits_for_afters(ops, home).map(drop)
+    }
+
+    /// Makes `home` wait for every other stream's end-of-use event; whether there was any.
+    fn home_waits_for_afters(&self, ops: &O, home: &O::Stream) -> Result<bool, BackendError> {
+        let mut any = false;
         for after in afters(&self.after) {
             ops.wait(home, &after.event)?;
+            any = true;
         }
-        Ok(())
+        Ok(any)
     }
 
     /// The event that marks the end of the uses on `other` (a stream of the home stream's
@@ -303,31 +310,27 @@ impl<O: UseOps> Record<O> {
         home: &O::Stream,
         id: O::StreamId,
     ) -> Result<Option<&O::Event>, BackendError> {
-        let Some(mut after) = self.after.get() else {
-            let event = ops.new_event(home)?;
-            return Ok(Some(
-                &self.after.get_or_init(|| After::new(id, event)).event,
-            ));
-        };
-        let mut n = 1;
-        loop {
+        let mut last = None;
+        let mut n = 0;
+        for after in afters(&self.after) {
             // A destroyed stream's id may come back with a new stream. Its event's last record
             // came after all its uses (their guards borrowed the stream), and the home stream has
             // already waited for that record (in `enter`), so the event can serve the new stream.
             if after.stream == id {
                 return Ok(Some(&after.event));
             }
-            match after.next.get() {
-                Some(next) => after = next,
-                None if n == MAX_STREAM_EVENTS => return Ok(None),
-                None => {
-                    let event = ops.new_event(home)?;
-                    let next = after.next.get_or_init(|| Box::new(After::new(id, event)));
-                    return Ok(Some(&next.event));
-                }
-            }
+            last = Some(after);
             n += 1;
         }
+        if n == MAX_STREAM_EVENTS {
+            return Ok(None);
+        }
+        let event = ops.new_event(home)?;
+        let after = match last {
+            None => self.after.get_or_init(|| After::new(id, event)),
+            Some(last) => last.next.get_or_init(|| Box::new(After::new(id, event))),
+        };
+        Ok(Some(&after.event))
     }
 
     /// Waits for each other context the buffer was used in that holds a recorded error (a guard's
@@ -450,12 +453,7 @@ impl<O: UseOps> Record<O> {
                     ),
                 )));
             }
-            let mut waited = false;
-            for after in afters(&self.after) {
-                ops.wait(home, &after.event)?;
-                waited = true;
-            }
-            if waited {
+            if self.home_waits_for_afters(ops, home)? {
                 // A stream query need not count a wait as work (the pool returns an idle stream's
                 // blocks at once): an event recorded after the wait keeps the home stream busy
                 // until the use has ended.
