@@ -1,9 +1,14 @@
 //! Side-by-side host comparison: `GlobalBfc` against the system allocator, in one run.
 //!
 //! Run: `cargo bench --bench host_compare`. Each workload runs alternately on both allocators for
-//! several rounds; the table shows medians and the ratio bfc/system (lower is better; <= 1.00 means
-//! bfc-alloc is no slower). Both are called through `GlobalAlloc` in the same process, so the machine's
-//! noise hits them alike.
+//! several rounds (which one goes first alternates too); the table shows medians and the ratio
+//! bfc/system (lower is better; <= 1.00 means bfc-alloc is no slower). Both are called through
+//! `GlobalAlloc` in the same process, so the machine's noise hits them alike.
+//!
+//! This is a quick in-process check, not the comparison of record: here both allocators share one
+//! process, and the system allocator's threads of the threaded workloads start with fresh per-thread
+//! arenas each round while `GlobalBfc` keeps one warm arena. `bench-peers/` installs each allocator
+//! as the `#[global_allocator]` of its own binary; its table is the one the README reports.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
@@ -238,9 +243,16 @@ fn main() {
     );
     for (name, unit, f, n) in workloads {
         let (mut b, mut s) = (Vec::new(), Vec::new());
-        for _ in 0..rounds {
-            b.push(f(&bfc, n));
-            s.push(f(&sys, n));
+        for round in 0..rounds {
+            // Alternate which allocator goes first, so neither always meets a cold or a warm
+            // machine (caches, frequency, the other allocator's pages still resident).
+            if round % 2 == 0 {
+                b.push(f(&bfc, n));
+                s.push(f(&sys, n));
+            } else {
+                s.push(f(&sys, n));
+                b.push(f(&bfc, n));
+            }
         }
         let (mb, ms) = (median(b), median(s));
         println!(

@@ -1,6 +1,7 @@
-//! Where the memory of a small-object workload goes: runs bench-peers' `churn` workload (a live set
-//! of 10,000 blocks, sizes log-uniform in 8..=4096 B, random replacement) with `GlobalBfc` as the
-//! global allocator and splits the process's resident memory into the bytes callers asked for,
+//! Where the memory of a small-object workload goes: runs the workload of bench-peers' `churn` (a
+//! live set of 10,000 blocks, sizes log-uniform in 8..=4096 B, random replacement; the same
+//! distribution, drawn from the tests' random generator, so not the same sequence) with `GlobalBfc`
+//! as the global allocator and splits the process's resident memory into the bytes callers asked for,
 //! size-class rounding, blocks held in thread and transfer caches, allocator metadata, and the rest
 //! (free memory that stays resident: free objects in slab spans and free engine chunks).
 //!

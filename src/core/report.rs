@@ -7,7 +7,9 @@ use super::bins::NUM_GROUPS;
 /// Counters in the spirit of TensorFlow's `AllocatorStats`, plus fragmentation and metadata cost.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
-    /// Number of successful allocations since creation.
+    /// Number of successful allocations since creation. (The host allocator counts small blocks as
+    /// they leave its slab layer, so blocks served from a thread cache are not counted; see
+    /// `GlobalBfc::stats`.)
     pub num_allocs: u64,
     /// Bytes in chunks currently handed out (chunk sizes, i.e. after rounding).
     pub bytes_in_use: usize,

@@ -60,8 +60,9 @@
 //! (`madvise(MADV_DONTNEED)`) as follows. `R`, the retained amount, starts at `T` and grows to twice
 //! the largest block freed so far (up to 64 MiB; blocks of 64 MiB or more do not count), like glibc's
 //! dynamic thresholds.
-//! - The free top of the arena keeps `R` bytes of touched memory and returns the rest once more than
-//!   `2R` of it were touched.
+//! - The free top of the arena (when at least `T` bytes) keeps `R` bytes of touched memory and
+//!   returns the rest once at least `2R` of it were touched; after a free of 64 MiB or more it keeps
+//!   only `T`.
 //! - A single freed block of 64 MiB or more (and at least `16T`) returns its pages at once.
 //! - Elsewhere, blocks freed into free chunks of at least `T` bytes are counted. Once the count
 //!   reaches four times the bytes in use (and at least `16T` and `2R`), a sweep runs. It returns the
