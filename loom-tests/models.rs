@@ -343,7 +343,9 @@ fn rebinding_without_the_bindings_lock_is_caught() {
 /// every heap lock and holds them across the `fork`, races a thread that initialises, uses and drops
 /// a second allocator (heap list, then its state lock; bindings, state, heap, heap list) and uses
 /// the first one through the engine and its thread cache before exiting (bindings, then heap). The
-/// prepare step never deadlocks with them, and the heaps are intact afterwards.
+/// prepare step never deadlocks with them, never comes while the other thread initialises an
+/// allocator (holding its state lock, which a fork child would inherit held), and the heaps are
+/// intact afterwards.
 #[test]
 fn fork_prepare_races_init_use_drop_and_exit() {
     loom::model(|| {
@@ -372,6 +374,18 @@ fn fork_prepare_races_init_use_drop_and_exit() {
         free_all_and_check(&a, [first]);
         bfc_alloc::host::loom_exit_thread();
     });
+}
+
+/// Negative control for model 7: with an initialisation holding the heap list's lock only while it
+/// links the new heap, the fork can come while the worker initialises its allocator, and the
+/// prepare step's check finds the held state lock.
+#[test]
+#[should_panic(expected = "fork while another thread initialises an allocator")]
+fn fork_during_an_initialisation_is_caught() {
+    with_switch(
+        &bfc_alloc::host::LOOM_SHORT_INIT_LIST_LOCK,
+        fork_prepare_races_init_use_drop_and_exit,
+    );
 }
 
 /// Negative control for model 7: with the prepare step taking the bindings lock after the heap

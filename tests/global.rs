@@ -494,6 +494,67 @@ fn a_private_instance_works_beside_the_global_one() {
     local.check().unwrap();
 }
 
+#[test]
+fn a_request_larger_than_an_idle_arena_keeps_the_arena() {
+    // Every block free: the arena is one free region. A request that can never fit must fail
+    // without giving that region back (which would report nothing reserved and drop its pages).
+    let local = GlobalBfc::with_config(bfc_alloc::HostConfig {
+        arena_size: 64 << 20,
+        min_arena_size: 64 << 20,
+        thread_cache: false,
+        ..bfc_alloc::HostConfig::DEFAULT
+    });
+    let l = Layout::from_size_align(8 << 20, 8).unwrap();
+    // SAFETY: non-zero layouts; the block is written within its size and freed once with it; the
+    // null results are only compared.
+    unsafe {
+        let p = local.alloc(l);
+        assert!(!p.is_null());
+        p.write_bytes(0xa5, 8 << 20);
+        local.dealloc(p, l);
+        let before = local.stats();
+        assert!(local
+            .alloc(Layout::from_size_align(128 << 20, 8).unwrap())
+            .is_null());
+        let after = local.stats();
+        assert_eq!(after.bytes_reserved, local.arena_size());
+        assert_eq!(after.num_regions, before.num_regions);
+        let q = local.alloc_zeroed(l);
+        assert!(!q.is_null());
+        assert!(std::slice::from_raw_parts(q, 8 << 20)
+            .iter()
+            .all(|&b| b == 0));
+        local.dealloc(q, l);
+    }
+    local.check().unwrap();
+}
+
+#[test]
+fn a_freed_small_block_aligned_above_4_kib_coalesces_at_once() {
+    // Such a block comes from the engine, not the slabs: freed, it joins its free neighbours at
+    // once instead of waiting, uncoalesced, in a cache the host never takes it back from.
+    let local = GlobalBfc::with_config(bfc_alloc::HostConfig {
+        arena_size: 64 << 20,
+        min_arena_size: 64 << 20,
+        thread_cache: false,
+        ..bfc_alloc::HostConfig::DEFAULT
+    });
+    let l = Layout::from_size_align(512, 8 << 10).unwrap();
+    // SAFETY: a non-zero layout; the block is written within its size and freed once with it.
+    unsafe {
+        let p = local.alloc(l);
+        assert!(!p.is_null());
+        assert_eq!(p as usize % (8 << 10), 0);
+        p.write(1);
+        local.dealloc(p, l);
+    }
+    let s = local.stats();
+    assert_eq!((s.num_cached_chunks, s.bytes_cached), (0, 0));
+    assert_eq!(s.bytes_in_use, 0);
+    assert_eq!(s.largest_free_block, local.arena_size());
+    local.check().unwrap();
+}
+
 // ---- abort paths, each in a child process ----
 
 const CHILD_ENV: &str = "BFC_ALLOC_CHILD_CASE";

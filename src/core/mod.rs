@@ -455,7 +455,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
             return self.take(h, rounded, align, bound);
         }
         let mut result = self.extend(needed, align);
-        if result.is_err() && self.release_free_regions() > 0 {
+        if result.is_err() && self.releasing_could_help(needed) && self.release_free_regions() > 0 {
             result = self.extend(needed, align);
         }
         result.map_err(Refusal::Oom)?;
@@ -620,6 +620,31 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         self.cached_chunks = 0;
     }
 
+    /// The first chunk of region `r` if it is the region's only chunk and free (the quick lists
+    /// flushed: a cached chunk counts as in use).
+    fn free_region_chunk(&self, r: &Region) -> Option<ChunkHandle> {
+        let f = r.first?;
+        let first = self.table.get(f);
+        (!first.in_use() && first.size() == r.size).then_some(f)
+    }
+
+    /// Whether giving the fully free regions back could make room for a new region of `needed`
+    /// bytes under the limit. (Without growth there is at most one region, and a new one may be
+    /// made once it is gone.) A request that cannot fit either way keeps the regions, and their
+    /// touched pages, where they are: the host's arena is one region, and an impossible request
+    /// must not give it back.
+    fn releasing_could_help(&self, needed: usize) -> bool {
+        let regions = &self.regions[..self.num_regions];
+        let free: usize = regions
+            .iter()
+            .filter(|r| self.free_region_chunk(r).is_some())
+            .map(|r| r.size)
+            .sum();
+        let available = (self.config.memory_limit - (self.stats.bytes_reserved - free))
+            & !(self.config.granule - 1);
+        free > 0 && needed <= available
+    }
+
     /// Returns every fully free region to the source (after flushing the quick lists). Returns the
     /// bytes released.
     pub fn release_free_regions(&mut self) -> usize {
@@ -628,12 +653,7 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         let mut i = 0;
         while i < self.num_regions {
             let r = self.regions[i];
-            let first = match r.first {
-                Some(f) => *self.table.get(f),
-                None => Chunk::EMPTY,
-            };
-            if r.first.is_some() && !first.in_use() && first.size() == r.size {
-                let f = r.first.unwrap_or_else(|| unreachable!());
+            if let Some(f) = self.free_region_chunk(&r) {
                 self.bins
                     .remove(&mut self.table, f, r.size >> self.granule_shift);
                 self.table.free(f);

@@ -294,6 +294,42 @@ fn free_regions_are_released_and_retried_before_oom() {
 }
 
 #[test]
+fn a_request_that_cannot_fit_keeps_the_free_regions() {
+    // With growth: 3 MiB reserved and free, limit 4 MiB. A 5 MiB request fits under the limit
+    // neither way; a 4 MiB one fits only after both regions go back.
+    let mut cfg = Config::device(4 << 20);
+    cfg.initial_region_size = 1 << 20;
+    let mut b = engine(cfg);
+    let a = alloc(&mut b, 1 << 20, 1);
+    let c = alloc(&mut b, 1 << 20, 1);
+    free(&mut b, a);
+    free(&mut b, c);
+    assert!(b.allocate(5 << 20, 1).is_err());
+    assert_eq!(
+        b.source().regions_freed,
+        0,
+        "nothing to gain, nothing given back"
+    );
+    assert_eq!(b.stats().bytes_reserved, 3 << 20);
+    checked(&b);
+    let big = alloc(&mut b, 4 << 20, 1);
+    assert_eq!(b.source().regions_freed, 2);
+    free(&mut b, big);
+    checked(&b);
+
+    // Without growth: a request above the limit keeps the free region too.
+    let mut cfg = Config::device(8 << 20);
+    cfg.allow_growth = false;
+    let mut b = engine(cfg);
+    let p = alloc(&mut b, 1000, 1);
+    free(&mut b, p);
+    assert!(b.allocate(9 << 20, 1).is_err());
+    assert_eq!(b.source().regions_freed, 0);
+    assert_eq!(b.stats().bytes_reserved, 8 << 20);
+    checked(&b);
+}
+
+#[test]
 fn no_growth_takes_one_region_of_the_limit() {
     let mut cfg = Config::device(16 << 20);
     cfg.allow_growth = false;

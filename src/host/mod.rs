@@ -12,11 +12,13 @@
 //!
 //! Reserved memory is inaccessible (`PROT_NONE`) until the heap reaches it: the arena is committed
 //! (made readable and writable) from its start in 2 MiB steps as blocks are handed out higher up,
-//! and the pointer map, span table and chunk table in step with what they describe. So strict
-//! overcommit (`vm.overcommit_memory = 2`) charges, and `RLIMIT_DATA` counts, the memory the heap
-//! has reached, not the 64 GiB it reserved; when the kernel refuses a commit, the allocation
-//! returns null. Committed memory stays committed (freed blocks are reused); its pages still go
-//! back to the kernel as described below, and only pages that are touched become resident.
+//! and the pointer map, span table and chunk table in step with what they describe (the metadata
+//! sized by the arena alone, about 4.7 MiB with those tables' first steps for a 64 GiB arena, is
+//! committed at initialisation). So strict overcommit (`vm.overcommit_memory = 2`) charges, and
+//! `RLIMIT_DATA` counts, the memory the heap has reached, not the 64 GiB it reserved; when the
+//! kernel refuses a commit, the allocation returns null. Committed memory stays committed (freed
+//! blocks are reused); its pages still go back to the kernel as described below, and only pages
+//! that are touched become resident.
 //! Initialisation allocates nothing.
 //!
 //! The whole arena is the engine's single region, so any two neighbouring free blocks coalesce.
@@ -382,8 +384,8 @@ unsafe impl MemorySource for HostSource {
 /// sized down under an address-space limit) does not reserve the default table's 1 GiB. Engine
 /// blocks are larger than 4 KiB or aligned to more than 4 KiB (so they have a free chunk of
 /// padding, or a neighbour, at least that large), spans are 64 KiB, two free chunks are never
-/// neighbours, and quick lists hold at most a few hundred chunks: a table of one record per 256
-/// bytes runs out long after the arena does. (When it does run out, allocations return null.)
+/// neighbours, and the engine keeps no quick lists: a table of one record per 256 bytes runs out
+/// long after the arena does. (When it does run out, allocations return null.)
 const ARENA_BYTES_PER_RECORD: usize = 256;
 
 /// Fewest records a table gets (`HostConfig::validate`'s minimum).
@@ -596,6 +598,12 @@ pub static LOOM_BREAK_FORK_ORDER: crate::sync::UnmodelledAtomicBool =
 #[doc(hidden)]
 pub fn loom_fork_prepare() {
     fork_prepare();
+    // Loom runs one thread at a time, so the count is exact at this point of the schedule.
+    assert!(
+        loom_state_held().load(crate::sync::UnmodelledOrdering::Relaxed) == 0,
+        "fork while another thread initialises an allocator (its child would inherit a held state \
+         lock)"
+    );
 }
 
 /// Loom build: the release step that follows the `fork` in the parent.
@@ -893,6 +901,14 @@ fn bindings() -> &'static SpinLock<()> {
     &BINDINGS
 }
 
+/// Negative control for the fork model (loom builds only): when set, an initialisation takes the
+/// heap list's lock only around linking the new heap, not for the whole initialisation, so a fork
+/// can come while another thread holds an instance's state lock.
+#[cfg(loom)]
+#[doc(hidden)]
+pub static LOOM_SHORT_INIT_LIST_LOCK: crate::sync::UnmodelledAtomicBool =
+    crate::sync::UnmodelledAtomicBool::new(false);
+
 /// Negative control for the loom models (loom builds only): when set, dropping an allocator does
 /// not take the bindings lock, which the thread-exit model must catch.
 #[cfg(all(feature = "std", loom))]
@@ -1186,8 +1202,22 @@ impl GlobalBfc {
         install_fork_handlers();
         // Held for the whole initialisation, so a `fork` (whose prepare step takes it) never
         // happens while an instance's `state` lock is held by another thread.
+        #[cfg(not(loom))]
         let _heaps = heaps().lock.lock();
-        self.state.0.lock().with(|state| match state {
+        #[cfg(loom)]
+        let _heaps = (!LOOM_SHORT_INIT_LIST_LOCK.load(crate::sync::UnmodelledOrdering::Relaxed))
+            .then(|| heaps().lock.lock());
+        self.state.0.lock().with(|state| {
+            // The models check that no fork happens while this runs (see `loom_fork_prepare`).
+            #[cfg(loom)]
+            let _held = LoomStateHeld::enter();
+            self.init_locked(state)
+        })
+    }
+
+    /// The initialisation proper, under the heap list's lock and this instance's state lock.
+    fn init_locked(&self, state: &mut State) -> *mut Anchor {
+        match state {
             State::Ready => self.anchor.load(crate::sync::Ordering::Acquire),
             State::Failed => ptr::null_mut(),
             State::Uninit => {
@@ -1196,6 +1226,11 @@ impl GlobalBfc {
                     .fetch_add(1, crate::sync::UnmodelledOrdering::Relaxed);
                 match Heap::init(&self.config) {
                     Some((a, _id)) => {
+                        // The negative control takes the list's lock only here.
+                        #[cfg(loom)]
+                        let _heaps = LOOM_SHORT_INIT_LIST_LOCK
+                            .load(crate::sync::UnmodelledOrdering::Relaxed)
+                            .then(|| heaps().lock.lock());
                         // SAFETY: the anchor was just built and stays mapped until `drop`; the heap
                         // list's lock is held.
                         link_heap(unsafe { a.as_ref() });
@@ -1213,7 +1248,41 @@ impl GlobalBfc {
                     }
                 }
             }
-        })
+        }
+    }
+}
+
+/// Loom build: counts the threads inside an instance's initialisation, which holds its state lock;
+/// [`loom_fork_prepare`] checks that none is at the fork. (A fork child would inherit that state
+/// lock held by a thread it does not have, and its first use of the instance would wait forever.)
+///
+/// One count per model execution: an execution that panics (a negative control) abandons its
+/// threads where they are, and a static count would carry their holds into the next model.
+#[cfg(loom)]
+fn loom_state_held() -> &'static crate::sync::UnmodelledAtomicUsize {
+    loom::lazy_static! {
+        static ref HELD: crate::sync::UnmodelledAtomicUsize =
+            crate::sync::UnmodelledAtomicUsize::new(0);
+    }
+    &HELD
+}
+
+/// Loom build: one thread inside an initialisation, from `enter` until dropped.
+#[cfg(loom)]
+struct LoomStateHeld;
+
+#[cfg(loom)]
+impl LoomStateHeld {
+    fn enter() -> Self {
+        loom_state_held().fetch_add(1, crate::sync::UnmodelledOrdering::Relaxed);
+        LoomStateHeld
+    }
+}
+
+#[cfg(loom)]
+impl Drop for LoomStateHeld {
+    fn drop(&mut self) {
+        loom_state_held().fetch_sub(1, crate::sync::UnmodelledOrdering::Relaxed);
     }
 }
 
@@ -1420,6 +1489,12 @@ impl Heap {
             memory_limit: arena_size,
             initial_region_size: arena_size,
             max_internal_fragmentation: config.granule,
+            // No quick lists: the slab layer serves every request of up to 4 KiB aligned to at most
+            // 4 KiB, so the engine's blocks of 1 KiB or less are aligned to more than 4 KiB, which
+            // a quick list never serves (it holds exact, granule-aligned sizes). It would only keep
+            // such blocks from coalescing with their free neighbours.
+            quick_max_size: 0,
+            quick_depth: 0,
             ..engine_config
         };
         let bfc = match Bfc::new(engine_config, source, table) {
@@ -1585,8 +1660,7 @@ impl Heap {
     /// [`Heap::engine_block`] when the engine's pick would end at `end`, past the committed end.
     /// Commits only that far (not a bound on any pick: under a commit limit, a block that fits must
     /// not fail for memory it would never use). Asked again, the engine picks the same chunk or one
-    /// ending lower (a quick-listed one now in reach), so a second refusal is not expected; a few
-    /// rounds at most in any case.
+    /// ending lower, so a second refusal is not expected; a few rounds at most in any case.
     #[cold]
     fn engine_block_beyond(
         &mut self,
@@ -1687,7 +1761,7 @@ impl Heap {
         // Other threads' counts are read while they run, so a block moving between two caches
         // during the walk may be counted twice: never underflow.
         s.bytes_in_use = s.bytes_in_use.saturating_sub(cached_bytes);
-        // Blocks in thread caches are free to callers, like the engine's quick lists.
+        // Blocks in thread caches are free to callers.
         s.bytes_cached += cached_bytes;
         s.num_cached_chunks += cached_blocks;
         s.peak_bytes_in_use = self.peak;
@@ -1702,8 +1776,6 @@ impl Heap {
     fn check(&self) -> Result<(), CheckError> {
         self.bfc.check()?;
         // `brk` bounds every byte a caller may have touched (up to the chunk's end: `usable_size`).
-        // (A chunk in a quick list may lie above it: a trim lowers `brk` over free memory, and the
-        // chunk is free to callers. Handing it out raises `brk` again.)
         if let Some(c) = self
             .bfc
             .chunks()
