@@ -497,9 +497,10 @@ fn broken_lock_ordering_is_caught() {
 }
 
 /// Model 4 (device pool, feature `cuda`): two threads allocate, free and reallocate buffers on their
-/// own streams of one pool over the simulated device. The pool's state is behind the shim's mutex
-/// (loom's here); blocks never overlap while live, the engine's invariants hold, and every block goes
-/// back once the streams' work completes.
+/// own streams of one pool over the simulated device, each buffer used once on its stream. The
+/// pool's state is behind the shim's mutex (loom's here); blocks never overlap while live, a block
+/// freed on one stream goes to the other only after the work queued on it before the free, the
+/// engine's invariants hold, and every block goes back once the streams' work completes.
 #[cfg(feature = "cuda")]
 #[test]
 fn device_pool_threads_on_two_streams() {
@@ -516,19 +517,44 @@ fn device_pool_threads_on_two_streams() {
                     let s = SimStream(t);
                     // SAFETY: simulated device memory is never read.
                     let first = unsafe { pool.alloc::<u8>(&s, 4096) }.unwrap();
+                    let freed = (
+                        first.device_address(),
+                        first.block_size(),
+                        first.simulate_use(s),
+                    );
                     drop(first);
                     // SAFETY: as above.
                     let kept = unsafe { pool.alloc::<u8>(&s, 4096) }.unwrap();
-                    (kept.device_address(), kept.block_size(), kept)
+                    let used = kept.simulate_use(s);
+                    (
+                        s,
+                        freed,
+                        (kept.device_address(), kept.block_size(), used),
+                        kept,
+                    )
                 })
             })
             .collect();
         let kept: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-        let (a, b) = (&kept[0], &kept[1]);
+        let overlap =
+            |a: (u64, usize), b: (u64, usize)| a.0 < b.0 + b.1 as u64 && b.0 < a.0 + a.1 as u64;
+        let (a, b) = (&kept[0].2, &kept[1].2);
         assert!(
-            a.0 + a.1 as u64 <= b.0 || b.0 + b.1 as u64 <= a.0,
+            !overlap((a.0, a.1), (b.0, b.1)),
             "live device blocks overlap"
         );
+        // A block one thread freed goes to the other thread's stream only once the work queued
+        // on it before the free is done, or ordered before the new owner's work.
+        for (i, j) in [(0, 1), (1, 0)] {
+            let (s, freed, _, _) = &kept[i];
+            let (t, _, used, _) = &kept[j];
+            if overlap((freed.0, freed.1), (used.0, used.1)) {
+                assert!(
+                    dev.completed(*s) >= freed.2 || dev.ordered_before((*s, freed.2), (*t, used.2)),
+                    "a block freed on {s:?} went to {t:?} while its work may still run"
+                );
+            }
+        }
         pool.check().expect("pool invariants");
         drop(kept);
         dev.complete_all();
