@@ -677,6 +677,14 @@ fn a_free_whose_uses_cannot_be_ordered_waits_for_the_device_or_is_never_reused()
         s.to_string().contains("stranded:            1048576 B"),
         "{s}"
     );
+    // An out-of-memory report says so too: the stranded block is part of what is in use.
+    match alloc(&p, A, 128 * MIB) {
+        Err(PoolError::OutOfMemory(oom)) => {
+            assert_eq!((oom.stranded_bytes, oom.in_use), (MIB, MIB));
+            assert!(oom.to_string().contains("stranded 1048576 B"), "{oom}");
+        }
+        other => panic!("{:?}", other.map(|b| b.device_address())),
+    }
     dev.set_fail_finish_uses(false);
     dev.set_fail_synchronize(false);
     dev.complete_all();
@@ -981,10 +989,20 @@ fn invalid_requests_are_errors() {
     let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
     // SAFETY: never read.
     let e = unsafe { p.alloc::<u64>(&A, usize::MAX / 4) }.unwrap_err();
-    assert!(matches!(e, PoolError::InvalidRequest { .. }), "{e}");
+    assert!(
+        matches!(e, PoolError::InvalidRequest { reason, .. } if reason.contains("overflows")),
+        "{e}"
+    );
+    assert!(
+        e.to_string().ends_with("len * size_of::<T>() overflows"),
+        "{e}"
+    );
     // SAFETY: never read.
     let e = unsafe { p.alloc::<u8>(&A, usize::MAX - 10) }.unwrap_err();
-    assert!(matches!(e, PoolError::InvalidRequest { .. }), "{e}");
+    assert!(
+        matches!(e, PoolError::InvalidRequest { reason, .. } if reason.contains("rounded")),
+        "{e}"
+    );
     let z = alloc(&p, A, 0).unwrap();
     assert_eq!(z.block_size(), 256);
     assert!(z.is_empty());
@@ -1782,4 +1800,24 @@ fn out_of_memory_with_nothing_pending_asks_the_driver_once() {
         req.windows(2).all(|w| w[1] < w[0]),
         "the driver was asked again for the same sizes: {req:?}"
     );
+}
+
+#[test]
+fn streams_the_cuda_back_end_refuses_are_refused_as_home_streams() {
+    // As `CudaBackend::check_stream`: a stream of another context, or the per-thread default
+    // stream (one handle for every thread's stream), cannot be a buffer's home stream.
+    let dev = SimDevice::new(1 << 30);
+    let p = pool(&dev, PoolOptions::with_limit(64 << 20));
+    for s in [SimStream::in_context(1, 1), SimStream::per_thread(0)] {
+        match alloc(&p, s, 4096) {
+            Err(PoolError::Backend(e)) => assert_eq!(e.op, "DevicePool::alloc", "{e}"),
+            other => panic!("{s:?}: {:?}", other.map(|b| b.device_address())),
+        }
+    }
+    assert_eq!(
+        dev.requests(),
+        Vec::<usize>::new(),
+        "nothing asked of the driver"
+    );
+    assert!(alloc(&p, A, 4096).is_ok());
 }

@@ -555,6 +555,80 @@ fn a_freed_small_block_aligned_above_4_kib_coalesces_at_once() {
     local.check().unwrap();
 }
 
+#[test]
+fn metadata_bytes_do_not_fall_when_the_top_is_trimmed() {
+    // The span table's entries stay touched when the arena's top goes back to the kernel, so the
+    // metadata that may be resident does not shrink with it.
+    let local = GlobalBfc::with_config(bfc_alloc::HostConfig {
+        arena_size: 256 << 20,
+        min_arena_size: 256 << 20,
+        thread_cache: false,
+        ..bfc_alloc::HostConfig::DEFAULT
+    });
+    let l = Layout::from_size_align(48, 8).unwrap();
+    // SAFETY: a non-zero layout; each block is written within its size and freed once with it.
+    let blocks: Vec<usize> = (0..400_000)
+        .map(|_| unsafe {
+            let p = local.alloc(l);
+            assert!(!p.is_null());
+            p.write(1);
+            p as usize
+        })
+        .collect();
+    let during = local.stats().metadata_bytes;
+    for p in blocks {
+        // SAFETY: allocated above with `l`, freed once.
+        unsafe { local.dealloc(p as *mut u8, l) };
+    }
+    local.release_free_memory();
+    let after = local.stats();
+    assert_eq!(after.bytes_in_use, 0);
+    assert!(
+        after.metadata_bytes >= during,
+        "metadata_bytes fell from {during} to {}",
+        after.metadata_bytes
+    );
+    local.check().unwrap();
+}
+
+#[test]
+fn largest_alloc_size_is_the_largest_block_handed_out() {
+    // As the engine's stats: the block's size (what `usable_size` reports), not the request.
+    for cache in [false, true] {
+        let local = GlobalBfc::with_config(bfc_alloc::HostConfig {
+            arena_size: 64 << 20,
+            min_arena_size: 64 << 20,
+            thread_cache: cache,
+            ..bfc_alloc::HostConfig::DEFAULT
+        });
+        // SAFETY: non-zero layouts; each block is freed once with the layout it was made with
+        // (the realloc'd one with its new size).
+        unsafe {
+            let small = Layout::from_size_align(1000, 8).unwrap();
+            let p = local.alloc(small);
+            assert!(!p.is_null());
+            let usable = local.usable_size(p).unwrap();
+            assert!(usable > 1000, "a size class above the request");
+            assert_eq!(local.stats().largest_alloc_size, usable, "cache {cache}");
+            local.dealloc(p, small);
+
+            let large = Layout::from_size_align(100_001, 8).unwrap();
+            let q = local.alloc(large);
+            assert!(!q.is_null());
+            let usable = local.usable_size(q).unwrap();
+            assert_eq!(local.stats().largest_alloc_size, usable, "cache {cache}");
+            // Grown in place (nothing follows it): the grown block counts.
+            let r = local.realloc(q, large, 300_001);
+            assert_eq!(r, q, "grown in place");
+            let usable = local.usable_size(r).unwrap();
+            assert!(usable >= 300_001);
+            assert_eq!(local.stats().largest_alloc_size, usable, "cache {cache}");
+            local.dealloc(r, Layout::from_size_align(300_001, 8).unwrap());
+        }
+        local.check().unwrap();
+    }
+}
+
 // ---- abort paths, each in a child process ----
 
 const CHILD_ENV: &str = "BFC_ALLOC_CHILD_CASE";

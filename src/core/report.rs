@@ -42,9 +42,10 @@ pub struct Stats {
 }
 
 impl Stats {
-    /// Free bytes inside reserved regions.
+    /// Free bytes inside reserved regions (0 for counters that say more is in use than reserved,
+    /// which only a hand-built value can).
     pub fn bytes_free(&self) -> usize {
-        self.bytes_reserved - self.bytes_in_use
+        self.bytes_reserved.saturating_sub(self.bytes_in_use)
     }
 
     /// External fragmentation: `1 - largest_free_block / bytes_free` (0 when nothing is free).
@@ -57,7 +58,8 @@ impl Stats {
         }
     }
 
-    /// Metadata as a fraction of the bytes in use.
+    /// Metadata as a fraction of the bytes in use (0 when nothing is in use; `Display` then says
+    /// "nothing in use" instead of a percentage).
     pub fn metadata_overhead(&self) -> f64 {
         if self.bytes_in_use == 0 {
             0.0
@@ -84,12 +86,20 @@ impl fmt::Display for Stats {
             self.num_chunks_in_use, self.num_free_chunks, self.num_cached_chunks, self.bytes_cached
         )?;
         writeln!(f, "regions:             {}", self.num_regions)?;
-        write!(
-            f,
-            "metadata_bytes:      {} ({:.2}% of in use)",
-            self.metadata_bytes,
-            self.metadata_overhead() * 100.0
-        )
+        if self.bytes_in_use == 0 {
+            write!(
+                f,
+                "metadata_bytes:      {} (nothing in use)",
+                self.metadata_bytes
+            )
+        } else {
+            write!(
+                f,
+                "metadata_bytes:      {} ({:.2}% of in use)",
+                self.metadata_bytes,
+                self.metadata_overhead() * 100.0
+            )
+        }
     }
 }
 
@@ -157,16 +167,23 @@ impl fmt::Display for OomReport {
                 continue;
             }
             any = true;
+            // (Saturating: a hand-built report may name groups past the address space.)
+            let granules = |shift: usize| {
+                u32::try_from(shift)
+                    .ok()
+                    .and_then(|s| 1usize.checked_shl(s))
+                    .unwrap_or(usize::MAX)
+            };
             let (lo, hi) = if i == 0 {
                 (1, 16)
             } else {
-                (1usize << (i + 3), 1usize << (i + 4))
+                (granules(i + 3), granules(i + 4))
             };
             write!(
                 f,
                 " [{}..{}) B: {} chunks, {} B;",
-                lo * self.granule,
-                hi * self.granule,
+                lo.saturating_mul(self.granule),
+                hi.saturating_mul(self.granule),
                 b.count,
                 b.bytes
             )?;
@@ -277,7 +294,11 @@ pub struct CheckError {
 
 impl fmt::Display for CheckError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "heap invariant broken at {:#x}: {}", self.at, self.what)
+        if self.at == 0 {
+            write!(f, "heap invariant broken: {}", self.what)
+        } else {
+            write!(f, "heap invariant broken at {:#x}: {}", self.at, self.what)
+        }
     }
 }
 

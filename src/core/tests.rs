@@ -460,6 +460,73 @@ fn checker_detects_corruption() {
 }
 
 #[test]
+fn checker_reports_a_looped_bin_list_instead_of_hanging() {
+    // Two free chunks of one size, kept apart by blocks in use: one bin, two entries.
+    let mut b = engine(Config::device(1 << 30));
+    let blocks: Vec<usize> = (0..4).map(|_| alloc(&mut b, 256, 1)).collect();
+    free(&mut b, blocks[0]);
+    free(&mut b, blocks[2]);
+    let bin = bins::bin_for(1);
+    let head = b.bins.head(bin).unwrap();
+    let second = b.table.get(head).free_next.unwrap();
+    assert_eq!(b.table.get(second).free_next, None);
+
+    // The head links to itself: the second chunk is no longer reachable from its bin.
+    b.table.get_mut(head).free_next = Some(head);
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "free chunk not in the bin of its size"
+    );
+    // A cycle through both: every chunk is linked from its predecessor, and the walk of the bin
+    // stops where it comes back to the head (whose back link names no predecessor).
+    b.table.get_mut(head).free_next = Some(second);
+    b.table.get_mut(second).free_next = Some(head);
+    assert_eq!(b.check().unwrap_err().what, "bin back link broken");
+    b.table.get_mut(second).free_next = None;
+    checked(&b);
+}
+
+#[test]
+fn reports_format_any_values_without_panicking() {
+    use std::string::ToString;
+    // A fresh engine: nothing in use, so no percentage of it.
+    let b = engine(Config::device(1 << 30));
+    let text = b.stats().to_string();
+    assert!(text.ends_with("(nothing in use)"), "{text}");
+    // Hand-built values a real engine never makes: in use above reserved, chunks in the top size
+    // groups with a large granule. Formatting saturates instead of overflowing.
+    let stats = Stats {
+        bytes_in_use: 10,
+        bytes_reserved: 5,
+        ..Stats::default()
+    };
+    assert_eq!(stats.bytes_free(), 0);
+    assert!(stats.to_string().contains("% of in use"));
+    let mut free_by_size = [BinSummary::default(); bins::NUM_GROUPS];
+    for g in [52, bins::NUM_GROUPS - 1] {
+        free_by_size[g] = BinSummary { count: 1, bytes: 1 };
+    }
+    let report = OomReport {
+        requested: usize::MAX,
+        needed: usize::MAX,
+        stats,
+        cause: OomCause::LimitReached,
+        granule: 256,
+        free_by_size,
+    };
+    let text = report.to_string();
+    assert!(
+        text.contains(&std::format!("..{}) B: 1 chunks", usize::MAX)),
+        "{text}"
+    );
+    // A check error about no chunk names no address.
+    let e = CheckError { what: "x", at: 0 };
+    assert_eq!(e.to_string(), "heap invariant broken: x");
+    let e = CheckError { what: "x", at: 0x40 };
+    assert_eq!(e.to_string(), "heap invariant broken at 0x40: x");
+}
+
+#[test]
 fn near_isize_max_requests_fail() {
     let mut b = engine(Config::host(1 << 30));
     let r = b.allocate(isize::MAX as usize - 4096, 8);

@@ -279,7 +279,10 @@ fn sync_raw(stream: &CudaStream) -> Result<(), BackendError> {
 /// buffer used on another stream waits for the whole context, and so does `zero`. So after a call that used the buffer
 /// on another stream left an error in the context (`check_err`), synchronise that stream before you
 /// take the error out or drop the buffer: the pool can no longer tell once the error is gone (any
-/// fallible cudarc call in the context may take it).
+/// fallible cudarc call in the context may take it). That includes another thread's call: with
+/// several threads in one context, the thread that owns the buffer may never see the error, so a
+/// program that sees a cudarc error in such a context should synchronise the context before it
+/// frees buffers used on other streams.
 ///
 /// Kernel arguments are tracked only on the home stream: cudarc gives an argument no access to the
 /// launch's stream, so pushing one (`launch_builder(..).arg(&buf)`) makes the home stream wait for

@@ -27,6 +27,8 @@ pub enum PoolError {
         bytes: usize,
         /// Alignment asked for.
         align: usize,
+        /// What is wrong with it.
+        reason: &'static str,
     },
     /// The pool options are invalid.
     Config(&'static str),
@@ -51,9 +53,13 @@ impl fmt::Display for PoolError {
             PoolError::NoDevice { ordinal: None } => write!(f, "no CUDA device"),
             PoolError::Backend(e) => write!(f, "CUDA driver error: {e}"),
             PoolError::OutOfMemory(oom) => oom.fmt(f),
-            PoolError::InvalidRequest { bytes, align } => write!(
+            PoolError::InvalidRequest {
+                bytes,
+                align,
+                reason,
+            } => write!(
                 f,
-                "invalid device allocation request: {bytes} B aligned to {align} B"
+                "invalid device allocation request: {bytes} B aligned to {align} B: {reason}"
             ),
             PoolError::Config(what) => write!(f, "invalid device pool options: {what}"),
             PoolError::Free(e) => write!(f, "device pool free rejected: {e}"),
@@ -85,15 +91,19 @@ pub struct DeviceOom {
     pub reserved: usize,
     /// The pool's limit on `reserved`.
     pub limit: usize,
-    /// Device memory in total.
+    /// Device memory in total (0 if the driver could not be asked).
     pub device_total: usize,
-    /// Device memory free according to the driver at the time of failure.
+    /// Device memory free according to the driver at the time of failure (0 if the driver could not
+    /// be asked).
     pub device_free: usize,
     /// Largest free block inside the pool.
     pub largest_free_block: usize,
     /// Bytes of freed blocks still waiting for their stream (0 unless an event could not be waited
     /// for).
     pub pending_bytes: usize,
+    /// Bytes of blocks never to be handed out again, because the end of their work could not be
+    /// ordered or waited for (see [`DeviceStats::stranded_bytes`]); part of `in_use`.
+    pub stranded_bytes: usize,
     /// The last refusal of the driver, if growth was refused.
     pub driver_error: Option<String>,
     /// The engine's report: counters, cause and free chunks by size.
@@ -105,7 +115,8 @@ impl fmt::Display for DeviceOom {
         write!(
             f,
             "CUDA device {}: out of memory allocating {} B (in use {} B, reserved {} B, limit {} B, \
-             device total {} B, device free {} B, largest free block {} B, pending {} B)",
+             device total {} B, device free {} B, largest free block {} B, pending {} B, \
+             stranded {} B)",
             self.ordinal,
             self.requested,
             self.in_use,
@@ -114,7 +125,8 @@ impl fmt::Display for DeviceOom {
             self.device_total,
             self.device_free,
             self.largest_free_block,
-            self.pending_bytes
+            self.pending_bytes,
+            self.stranded_bytes
         )?;
         if let Some(e) = &self.driver_error {
             write!(f, "; driver: {e}")?;

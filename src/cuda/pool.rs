@@ -576,6 +576,7 @@ impl<B: DeviceBackend> State<B> {
             device_free,
             largest_free_block: s.largest_free_block,
             pending_bytes: self.pending().1,
+            stranded_bytes: self.stranded_bytes,
             driver_error: self
                 .bfc
                 .source_mut()
@@ -659,7 +660,18 @@ impl<B: DeviceBackend> Shared<B> {
                 Ok((p as u64, size))
             }
             Err(AllocError::OutOfMemory(report)) => Err(st.oom(self.ordinal, bytes, report)),
-            Err(_) => Err(PoolError::InvalidRequest { bytes, align }),
+            Err(e) => Err(PoolError::InvalidRequest {
+                bytes,
+                align,
+                reason: match e {
+                    AllocError::BadAlignment { .. } => {
+                        "the alignment is not a power of two, or above what the pool serves"
+                    }
+                    AllocError::TooLarge { .. } => "the size overflows once rounded",
+                    // (The pool asks for no bound; any other refusal is named as such.)
+                    _ => "refused by the engine",
+                },
+            }),
         }
     }
 
@@ -803,6 +815,7 @@ impl<B: DeviceBackend> DevicePool<B> {
                 .ok_or(PoolError::InvalidRequest {
                     bytes: usize::MAX,
                     align: core::mem::align_of::<T>(),
+                    reason: "len * size_of::<T>() overflows",
                 })?;
         let (ptr, size) = self
             .shared

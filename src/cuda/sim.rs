@@ -522,8 +522,22 @@ impl DeviceBackend for SimBackend {
         Ok(())
     }
 
-    fn check_stream(&self, _stream: &SimStream) -> Result<(), BackendError> {
-        Ok(())
+    /// Refuses what the CUDA back end refuses: a stream of another context, and the per-thread
+    /// default stream.
+    fn check_stream(&self, stream: &SimStream) -> Result<(), BackendError> {
+        if stream.context() != 0 {
+            Err(BackendError::new(
+                "DevicePool::alloc",
+                "the stream belongs to another context than the pool's",
+            ))
+        } else if *stream == SimStream::per_thread(0) {
+            Err(BackendError::new(
+                "DevicePool::alloc",
+                "per-thread default streams are not supported",
+            ))
+        } else {
+            Ok(())
+        }
     }
 
     fn stream_id(stream: &SimStream) -> u64 {

@@ -1602,7 +1602,7 @@ impl Heap {
                     None => return ptr::null_mut(),
                 },
             };
-            self.note_peak(size);
+            self.note_peak(small::class_size(c));
             return p as *mut u8;
         }
         let grid = if size >= LARGE_ALIGN {
@@ -1622,7 +1622,7 @@ impl Heap {
             Some(b) => {
                 // All of the block: its caller may write up to `usable_size`.
                 self.note_allocated(b.ptr, b.size);
-                self.note_peak(size);
+                self.note_peak(b.size);
                 b.ptr as *mut u8
             }
             None => ptr::null_mut(),
@@ -1769,7 +1769,9 @@ impl Heap {
         s.num_allocs = s.num_allocs - self.span_allocs + self.small.allocs;
         s.num_chunks_in_use =
             (s.num_chunks_in_use - spans + self.small.objects).saturating_sub(cached_blocks);
-        s.metadata_bytes += self.small.metadata_bytes(self.brk);
+        // Entries up to the committed end: `brk` moves down when the top is trimmed, but the span
+        // table's touched pages stay.
+        s.metadata_bytes += self.small.metadata_bytes(self.bfc.source().committed_end());
         s
     }
 
@@ -2006,7 +2008,7 @@ impl Heap {
                     // The whole block: its caller may write up to `usable_size`.
                     None => self.note_allocated(p, size),
                 }
-                self.note_peak(new_size);
+                self.note_peak(size);
                 Some(ptr)
             }
             Ok(Resize::Moved) => None,

@@ -864,10 +864,11 @@ impl SmallHeap {
         Ok(())
     }
 
-    /// Span-table and span-set bytes that may be resident (entries up to the highest span ever
-    /// used).
-    pub(crate) fn metadata_bytes(&self, brk: usize) -> usize {
-        let entries = self.spans_below(brk);
+    /// Span-table and span-set bytes that may be resident: the entries of every span below `end`
+    /// (the host passes the committed end of the arena, which never moves down and lies above every
+    /// span ever used).
+    pub(crate) fn metadata_bytes(&self, end: usize) -> usize {
+        let entries = self.spans_below(end);
         entries * (Self::ENTRY + 1) + self.sets.resident_bytes(entries.div_ceil(64))
     }
 
