@@ -108,9 +108,9 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
             }
         }
         // Bins: every entry a free chunk, in the right bin, with consistent back links. An entry is
-        // a live record (a recycled one is empty), and every live record lies in a region (checked
-        // below), so with no list longer than the free chunks (a cycle would be) and as many
-        // entries as free chunks, the bins hold each free chunk exactly once.
+        // a live record (a recycled one is empty, checked below), and every live record lies in a
+        // region (checked below), so with no list longer than the free chunks (a cycle would be)
+        // and as many entries as free chunks, the bins hold each free chunk exactly once.
         let mut binned = 0usize;
         for b in 0..NUM_BINS {
             let mut cur = self.bins.head(b);
@@ -149,6 +149,9 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
             let mut cur = head;
             let mut len = 0usize;
             while let Some(h) = cur {
+                if h.index() >= self.table.high_water() {
+                    return fail("chunk handle out of range", 0);
+                }
                 let c = self.table.get(h);
                 len += 1;
                 if !c.cached() || c.size() != g * granule || len > self.config.quick_depth {
@@ -176,14 +179,19 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         if total_chunks != self.table.live() {
             return fail("live chunk records not all reachable from regions", 0);
         }
-        if self
-            .table
-            .free_slots()
-            .take(self.table.high_water() + 1)
-            .count()
-            + self.table.live()
-            != self.table.high_water()
-        {
+        // Recycled records: in range and empty (the walk of the bins relies on it: a record with a
+        // size is a live one), and as many as the table says.
+        let mut recycled = 0usize;
+        for h in self.table.free_slots().take(self.table.high_water() + 1) {
+            if h.index() >= self.table.high_water() {
+                return fail("chunk handle out of range", 0);
+            }
+            if self.table.get(h).size() != 0 {
+                return fail("recycled chunk record not empty", self.table.get(h).ptr());
+            }
+            recycled += 1;
+        }
+        if recycled + self.table.live() != self.table.high_water() {
             return fail("recycled and live chunk records do not add up", 0);
         }
         if in_use_bytes != self.stats.bytes_in_use || in_use_chunks != self.in_use_chunks {

@@ -252,12 +252,17 @@ impl<T: AsRef<[Chunk]> + AsMut<[Chunk]>> ChunkTable<T> {
         unsafe { slots.get_unchecked_mut(h.index()) }
     }
 
-    /// Iterates the recycled-slot list (for the invariant checker).
+    /// Iterates the recycled-slot list (for the invariant checker). A handle out of range (a
+    /// corrupted link) is yielded but not followed.
     pub(crate) fn free_slots(&self) -> impl Iterator<Item = ChunkHandle> + '_ {
         let mut cur = self.free_slot;
         core::iter::from_fn(move || {
             let h = cur?;
-            cur = self.get(h).free_next;
+            cur = if h.index() < self.high_water {
+                self.get(h).free_next
+            } else {
+                None
+            };
             Some(h)
         })
     }

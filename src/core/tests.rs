@@ -487,6 +487,69 @@ fn checker_reports_a_looped_bin_list_instead_of_hanging() {
 }
 
 #[test]
+fn checker_finds_a_free_chunk_hidden_behind_a_recycled_record() {
+    // Two free 256 B chunks in one bin (blocks 0 and 2), and two recycled records (blocks 4..6
+    // merged). A recycled record dressed up as the bin's second entry, and another one standing
+    // in for the real second entry's predecessor, keep every link and count consistent: only the
+    // recycled record's size gives it away.
+    let mut b = engine(Config::device(1 << 30));
+    let blocks: Vec<usize> = (0..8).map(|_| alloc(&mut b, 256, 1)).collect();
+    for i in [0, 2, 5, 6, 4] {
+        free(&mut b, blocks[i]);
+    }
+    let head = b.bins.head(bins::bin_for(1)).unwrap();
+    let second = b.table.get(head).free_next.unwrap();
+    let slots: Vec<ChunkHandle> = b.table.free_slots().collect();
+    assert_eq!(slots.len(), 2);
+    let (s2, s) = (slots[0], slots[1]);
+    assert_eq!(b.table.get(s2).free_next, Some(s));
+    b.table.get_mut(head).free_next = Some(s);
+    {
+        let fake = b.table.get_mut(s);
+        fake.set_size(256);
+        fake.free_prev = Some(head);
+        fake.free_next = None;
+    }
+    b.table.get_mut(s2).free_next = Some(second);
+    b.table.get_mut(second).free_prev = Some(s2);
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "recycled chunk record not empty"
+    );
+}
+
+#[test]
+fn checker_reports_out_of_range_handles_in_every_list() {
+    let far = ChunkHandle::from_index(1 << 20);
+    // A quick list's link (host settings keep freed small chunks there).
+    let mut b = engine(Config::host(1 << 30));
+    let p = alloc(&mut b, 100, 16);
+    let _keep = alloc(&mut b, 100, 16);
+    free(&mut b, p);
+    assert_eq!(b.stats().num_cached_chunks, 1);
+    let h = b.quick_heads.iter().flatten().next().copied().unwrap();
+    b.table.get_mut(h).free_next = Some(far);
+    assert_eq!(b.check().unwrap_err().what, "chunk handle out of range");
+    // The recycled-record list's link.
+    let mut b = engine(Config::device(1 << 30));
+    let blocks: Vec<usize> = (0..3).map(|_| alloc(&mut b, 256, 1)).collect();
+    free(&mut b, blocks[0]);
+    free(&mut b, blocks[1]);
+    let slot = b.table.free_slots().next().unwrap();
+    b.table.get_mut(slot).free_next = Some(far);
+    assert_eq!(b.check().unwrap_err().what, "chunk handle out of range");
+    // A bin's link.
+    let mut b = engine(Config::device(1 << 30));
+    let blocks: Vec<usize> = (0..4).map(|_| alloc(&mut b, 256, 1)).collect();
+    free(&mut b, blocks[0]);
+    free(&mut b, blocks[2]);
+    let head = b.bins.head(bins::bin_for(1)).unwrap();
+    let second = b.table.get(head).free_next.unwrap();
+    b.table.get_mut(second).free_next = Some(far);
+    assert_eq!(b.check().unwrap_err().what, "chunk handle out of range");
+}
+
+#[test]
 fn reports_format_any_values_without_panicking() {
     use std::string::ToString;
     // A fresh engine: nothing in use, so no percentage of it.
@@ -522,7 +585,10 @@ fn reports_format_any_values_without_panicking() {
     // A check error about no chunk names no address.
     let e = CheckError { what: "x", at: 0 };
     assert_eq!(e.to_string(), "heap invariant broken: x");
-    let e = CheckError { what: "x", at: 0x40 };
+    let e = CheckError {
+        what: "x",
+        at: 0x40,
+    };
     assert_eq!(e.to_string(), "heap invariant broken at 0x40: x");
 }
 

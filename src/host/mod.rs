@@ -60,8 +60,8 @@
 //!
 //! With `T` = [`HostConfig::release_threshold`], pages go back to the kernel
 //! (`madvise(MADV_DONTNEED)`) as follows. `R`, the retained amount, starts at `T` and grows to twice
-//! the largest block freed so far (up to 64 MiB; blocks of 64 MiB or more do not count), like glibc's
-//! dynamic thresholds.
+//! the largest block freed so far (up to 64 MiB; blocks below `T`, or of 64 MiB or more, do not
+//! count), like glibc's dynamic thresholds.
 //! - The free top of the arena (when at least `T` bytes) keeps `R` bytes of touched memory and
 //!   returns the rest once at least `2R` of it were touched; after a free of 64 MiB or more it keeps
 //!   only `T`.
