@@ -1,17 +1,20 @@
 //! Side-by-side device comparison, in one run: a pool hit (alloc + free of a `DeviceBuffer` that the
 //! pool serves from its cache) against `cuMemAlloc` + `cuMemFree` and against cudarc's
-//! `stream.alloc` + drop (`cuMemAllocAsync`/`cuMemFreeAsync` where the device has memory pools).
+//! `stream.alloc` + drop, which is what a cudarc user pays: `cuMemAllocAsync`/`cuMemFreeAsync`
+//! where the device has memory pools, plus cudarc's own event tracking (two events created and
+//! destroyed per buffer, and, once the context has a stream of its own, two stream waits per
+//! drop).
 //!
 //! Run: `cargo bench --features cuda --bench device_pool`. Sizes 256 B .. 64 MiB; the table shows the
 //! median nanoseconds per alloc+free pair (each pair timed alone) and the speed-up of the pool. The
 //! three methods alternate by round so the machine's noise hits them alike.
 //!
 //! A second table runs a training-step pattern: each step allocates 64 buffers of mixed sizes
-//! (256 B .. 4 MiB, the same sizes every step) on one stream and then frees them all, so the pool's
+//! (256 B up to 8 MiB, the same sizes every step) on one stream and then frees them all, so the pool's
 //! batched events, misses and pending-list scans are in the numbers (median ns per alloc+free over
 //! the steps). A third table runs pool hits in 1 to 8 threads at once, each on its own stream,
 //! against cudarc in the same threads (the pool has one mutex per device). Without a driver or a
-//! GPU it prints why and exits 0.
+//! GPU it prints why and exits 0 (1 with `BFC_REQUIRE_GPU=1`).
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -59,20 +62,23 @@ fn cudarc_pair(stream: &Arc<CudaStream>, bytes: usize) {
     drop(black_box(s));
 }
 
+/// Says why there is nothing to measure; exits 1 instead when `BFC_REQUIRE_GPU=1` (on a GPU
+/// machine, a bench that measured nothing must not pass unnoticed).
+fn nothing_to_measure(reason: &str) {
+    if std::env::var("BFC_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        eprintln!("device_pool bench: BFC_REQUIRE_GPU=1, but {reason}");
+        std::process::exit(1);
+    }
+    println!("device_pool bench: {reason}; nothing to measure");
+}
+
 fn main() {
     if !driver_available() {
-        println!("device_pool bench: no CUDA driver (libcuda) found; nothing to measure");
-        return;
+        return nothing_to_measure("no CUDA driver (libcuda) found");
     }
     match device_count() {
-        Ok(0) => {
-            println!("device_pool bench: the CUDA driver reports no device; nothing to measure");
-            return;
-        }
-        Err(e) => {
-            println!("device_pool bench: cannot query devices ({e}); nothing to measure");
-            return;
-        }
+        Ok(0) => return nothing_to_measure("the CUDA driver reports no device"),
+        Err(e) => return nothing_to_measure(&format!("cannot query devices ({e})")),
         Ok(_) => {}
     }
     let pool = DevicePool::new(0, PoolOptions::with_limit(1 << 30)).expect("pool on device 0");
@@ -124,7 +130,7 @@ fn main() {
             rng ^= rng << 13;
             rng ^= rng >> 7;
             rng ^= rng << 17;
-            let exp = 8 + (rng % 15) as u32; // 256 B .. 4 MiB
+            let exp = 8 + (rng % 15) as u32; // [2^exp, 2^(exp+1)): 256 B up to 8 MiB
             (1usize << exp) + (rng >> 32) as usize % (1usize << exp)
         })
         .collect();
@@ -177,7 +183,7 @@ fn main() {
     stream.synchronize().expect("synchronize");
     let (p, d, c) = (median(&mut p), median(&mut d), median(&mut c));
     println!(
-        "\ntraining step: {STEP_BUFFERS} buffers of 256 B .. 4 MiB allocated, then all freed, \
+        "\ntraining step: {STEP_BUFFERS} buffers of 256 B up to 8 MiB allocated, then all freed, \
          ns per alloc+free"
     );
     println!(

@@ -12,6 +12,7 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
+use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use bfc_alloc::GlobalBfc;
@@ -63,10 +64,43 @@ fn in_threads(
     unsafe impl Sync for Shared<'_> {}
     let shared = Shared(a);
     let (shared, f) = (&shared, &f);
+    let start = Arc::new(Barrier::new(threads));
     std::thread::scope(|s| {
-        let t: Vec<_> = (0..threads).map(|_| s.spawn(move || f(shared.0))).collect();
+        let t: Vec<_> = (0..threads)
+            .map(|_| {
+                let start = start.clone();
+                s.spawn(move || {
+                    START.with(|s| *s.borrow_mut() = Some(start));
+                    f(shared.0)
+                })
+            })
+            .collect();
         t.into_iter().map(|h| h.join().unwrap()).sum::<f64>() / threads as f64
     })
+}
+
+/// `p`, or the process aborts with the standard out-of-memory message (a null block would be
+/// written to).
+fn must(p: *mut u8, l: Layout) -> *mut u8 {
+    if p.is_null() {
+        std::alloc::handle_alloc_error(l);
+    }
+    p
+}
+
+std::thread_local! {
+    /// Set on the threads of [`in_threads`]: each waits here, its live set filled, so that the
+    /// timed loops of all threads start together.
+    static START: std::cell::RefCell<Option<Arc<Barrier>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Waits for the other threads of [`in_threads`], if this is one of them.
+fn start_together() {
+    START.with(|s| {
+        if let Some(b) = &*s.borrow() {
+            b.wait();
+        }
+    });
 }
 
 fn churn_sizes(a: &dyn GlobalAlloc, steps: usize, lo: usize, hi: usize) -> f64 {
@@ -82,17 +116,18 @@ fn churn_aligned(a: &dyn GlobalAlloc, steps: usize, lo: usize, hi: usize, align:
     unsafe {
         for _ in 0..LIVE {
             let l = Layout::from_size_align(rng.log_uniform(lo, hi), align).unwrap();
-            let p = a.alloc(l);
+            let p = must(a.alloc(l), l);
             *p = 1;
             live.push((p, l));
         }
+        start_together();
         let t = Instant::now();
         for _ in 0..steps {
             let i = rng.next() as usize % LIVE;
             let (p, l) = live[i];
             a.dealloc(p, l);
             let l = Layout::from_size_align(rng.log_uniform(lo, hi), align).unwrap();
-            let p = a.alloc(l);
+            let p = must(a.alloc(l), l);
             *p = 1;
             live[i] = (p, l);
         }
@@ -120,7 +155,7 @@ fn pairs_of(a: &dyn GlobalAlloc, n: usize, l: Layout) -> f64 {
     for _ in 0..n {
         // SAFETY: a non-zero layout; the block is freed once with it.
         unsafe {
-            let p = a.alloc(l);
+            let p = must(a.alloc(l), l);
             black_box(p);
             a.dealloc(p, l);
         }
@@ -138,13 +173,14 @@ fn vec_growth(a: &dyn GlobalAlloc, rounds: usize) -> f64 {
         unsafe {
             let mut cap = 8usize;
             let mut l = Layout::from_size_align(cap, 8).unwrap();
-            let mut p = a.alloc(l);
+            let mut p = must(a.alloc(l), l);
             let mut len = 0usize;
             while cap < 1 << 20 {
                 if len == cap {
-                    p = a.realloc(p, l, cap * 2);
+                    let grown = Layout::from_size_align(cap * 2, 8).unwrap();
+                    p = must(a.realloc(p, l, cap * 2), grown);
                     cap *= 2;
-                    l = Layout::from_size_align(cap, 8).unwrap();
+                    l = grown;
                 }
                 *p.add(len) = len as u8;
                 len += 1;
@@ -166,7 +202,7 @@ fn large(a: &dyn GlobalAlloc, steps: usize) -> f64 {
     unsafe {
         for _ in 0..LIVE {
             let l = Layout::from_size_align(rng.log_uniform(64 << 10, 16 << 20), 8).unwrap();
-            let p = a.alloc(l);
+            let p = must(a.alloc(l), l);
             *p = 1;
             live.push((p, l));
         }
@@ -176,7 +212,7 @@ fn large(a: &dyn GlobalAlloc, steps: usize) -> f64 {
             let (p, l) = live[i];
             a.dealloc(p, l);
             let l = Layout::from_size_align(rng.log_uniform(64 << 10, 16 << 20), 8).unwrap();
-            let p = a.alloc(l);
+            let p = must(a.alloc(l), l);
             *p = 1;
             live[i] = (p, l);
         }

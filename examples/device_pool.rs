@@ -1,5 +1,6 @@
 //! Allocates device buffers from a BFC pool, copies data through them, launches a kernel when NVRTC
-//! is available, and prints the pool's statistics. Without a driver or GPU it says so and exits 0.
+//! is available (and can compile it for this driver), and prints the pool's statistics. Without a
+//! driver or GPU it says so and exits 0, or fails when `BFC_REQUIRE_GPU=1`.
 //!
 //! ```sh
 //! cargo run --release --features cuda --example device_pool
@@ -15,20 +16,22 @@ extern "C" __global__ void scale(float *x, unsigned long long n, float a) {
 }
 "#;
 
+/// Says why there is nothing to run on: `Ok` (exit 0), or an error when `BFC_REQUIRE_GPU=1`.
+fn nothing_to_run(reason: &str) -> Result<(), Box<dyn std::error::Error>> {
+    if std::env::var("BFC_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        return Err(format!("BFC_REQUIRE_GPU=1, but {reason}").into());
+    }
+    println!("{reason}: nothing to run on; exiting");
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     if !driver_available() {
-        println!("no CUDA driver found (libcuda is not installed): nothing to run on; exiting");
-        return Ok(());
+        return nothing_to_run("no CUDA driver found (libcuda is not installed)");
     }
     match device_count() {
-        Ok(0) => {
-            println!("the CUDA driver reports no device: nothing to run on; exiting");
-            return Ok(());
-        }
-        Err(e) => {
-            println!("cannot query CUDA devices ({e}): nothing to run on; exiting");
-            return Ok(());
-        }
+        Ok(0) => return nothing_to_run("the CUDA driver reports no device"),
+        Err(e) => return nothing_to_run(&format!("cannot query CUDA devices ({e})")),
         Ok(_) => {}
     }
 
@@ -56,9 +59,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // A kernel on a pool buffer, if NVRTC is there to compile it.
     // SAFETY: only tries to load the NVRTC library.
-    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        let ptx = cudarc::nvrtc::compile_ptx(SCALE)?;
-        let f = ctx.load_module(ptx)?.load_function("scale")?;
+    let kernel = if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        // An NVRTC newer than the driver makes PTX the driver cannot load: skip, as without NVRTC.
+        match cudarc::nvrtc::compile_ptx(SCALE)
+            .map_err(|e| e.to_string())
+            .and_then(|ptx| {
+                ctx.load_module(ptx)
+                    .and_then(|m| m.load_function("scale"))
+                    .map_err(|e| e.to_string())
+            }) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                println!("cannot build the kernel ({e}): skipping the kernel launch");
+                None
+            }
+        }
+    } else {
+        println!("NVRTC not found: skipping the kernel launch");
+        None
+    };
+    if let Some(f) = kernel {
         let len = n as u64;
         let mut launch = stream.launch_builder(&f);
         launch.arg(&mut x).arg(&len).arg(&2.0f32);
@@ -67,8 +87,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let back = stream.clone_dtoh(&x)?;
         assert!(back.iter().enumerate().all(|(i, &v)| v == 2.0 * i as f32));
         println!("scaled {n} floats with a kernel");
-    } else {
-        println!("NVRTC not found: skipping the kernel launch");
     }
 
     // Churn: many sizes, freed and reused.
