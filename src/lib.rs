@@ -34,7 +34,8 @@ mod sync;
 pub mod host;
 
 pub use crate::core::{
-    AllocError, Bfc, Chunk, ChunkHandle, Config, FreeError, MemorySource, OomReport, Stats,
+    AllocError, Bfc, Chunk, ChunkHandle, ChunkStorage, Config, FreeError, MemorySource, OomReport,
+    Stats,
 };
 #[cfg(all(feature = "host", feature = "std", unix))]
 pub use host::MAX_CACHED_BYTES;

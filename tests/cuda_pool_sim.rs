@@ -785,7 +785,7 @@ fn a_panic_under_the_lock_leaves_the_pool_usable() {
     let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
     let kept = alloc(&p, A, MIB).unwrap();
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        p.with_backend_mut(|_| panic!("a back end panicked"))
+        p.inspect_backend(|_| panic!("a back end panicked"))
     }));
     assert!(panicked.is_err());
     let b = alloc(&p, A, MIB).unwrap();
@@ -1224,8 +1224,7 @@ fn a_failed_region_free_is_a_deferred_error() {
     let a = alloc(&p, A, 1000).unwrap();
     let addr = a.device_address();
     // SAFETY: simulated memory; the region is freed behind the pool's back to make its free fail.
-    p.with_backend_mut(|b| unsafe { bfc_alloc::cuda::DeviceBackend::mem_free(b, addr) })
-        .unwrap();
+    unsafe { p.with_backend_mut(|b| bfc_alloc::cuda::DeviceBackend::mem_free(b, addr)) }.unwrap();
     drop(a);
     p.synchronize();
     let errs = p.take_errors();
@@ -1458,7 +1457,8 @@ struct Counted(SimStream, Arc<()>);
 
 struct CountingBackend(SimBackend);
 
-impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
+// SAFETY: every call goes to the simulated back end it wraps, which keeps the promises.
+unsafe impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
     type Stream = Counted;
     type Event = bfc_alloc::cuda::SimEvent;
     type Uses = bfc_alloc::cuda::SimUses;
@@ -1820,4 +1820,25 @@ fn streams_the_cuda_back_end_refuses_are_refused_as_home_streams() {
         "nothing asked of the driver"
     );
     assert!(alloc(&p, A, 4096).is_ok());
+}
+
+#[test]
+fn a_chunk_capacity_beyond_what_the_engine_can_index_is_an_error() {
+    let dev = SimDevice::new(GIB);
+    for cap in [0, 1, u32::MAX as usize, usize::MAX] {
+        let options = PoolOptions {
+            chunk_capacity: cap,
+            ..PoolOptions::with_limit(64 * MIB)
+        };
+        match DevicePool::with_backend(dev.backend(), options) {
+            Err(PoolError::Config(what)) => assert!(what.contains("chunk_capacity"), "{what}"),
+            Err(e) => panic!("{cap}: {e}"),
+            Ok(_) => panic!("{cap}: accepted"),
+        }
+    }
+    assert_eq!(
+        dev.requests(),
+        Vec::<usize>::new(),
+        "nothing asked of the driver"
+    );
 }

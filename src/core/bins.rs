@@ -46,7 +46,7 @@ pub(crate) fn bin_lower_bound(b: usize) -> usize {
     }
 }
 
-use super::chunk::{Chunk, ChunkHandle, ChunkTable};
+use super::chunk::{ChunkHandle, ChunkStorage, ChunkTable};
 
 pub(crate) struct Bins {
     heads: [Option<ChunkHandle>; NUM_BINS],
@@ -102,7 +102,7 @@ impl Bins {
 
     /// Links free chunk `h` (of `g` granules) at the head of its bin.
     #[inline]
-    pub(crate) fn insert<T: AsRef<[Chunk]> + AsMut<[Chunk]>>(
+    pub(crate) fn insert<T: ChunkStorage>(
         &mut self,
         table: &mut ChunkTable<T>,
         h: ChunkHandle,
@@ -125,7 +125,7 @@ impl Bins {
 
     /// Unlinks free chunk `h` (of `g` granules) from its bin.
     #[inline]
-    pub(crate) fn remove<T: AsRef<[Chunk]> + AsMut<[Chunk]>>(
+    pub(crate) fn remove<T: ChunkStorage>(
         &mut self,
         table: &mut ChunkTable<T>,
         h: ChunkHandle,

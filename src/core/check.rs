@@ -1,7 +1,7 @@
 //! The invariant checker: a full walk of regions, chunks, bins, the pointer map and the counters.
 
 use super::bins::{bin_for, NUM_BINS};
-use super::{Bfc, CheckError, Chunk, ChunkHandle, MemorySource};
+use super::{Bfc, CheckError, Chunk, ChunkHandle, ChunkStorage, MemorySource};
 
 /// Blocks of one chunk whose map entries are checked individually; the interior of larger chunks is
 /// sampled at its ends so that a check stays proportional to the number of chunks, not of bytes.
@@ -11,7 +11,7 @@ fn fail(what: &'static str, at: usize) -> Result<(), CheckError> {
     Err(CheckError { what, at })
 }
 
-impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
+impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     /// Verifies every structural invariant and recounts the statistics.
     ///
     /// Checked: regions sorted and disjoint; each region's chunks contiguous, granule-aligned, sizes

@@ -5,6 +5,9 @@
 //! describe; a [`ChunkHandle`] is an index into that table. Freed records are recycled through an
 //! intrusive free-slot list threaded through `free_next`.
 
+#[cfg(feature = "std")]
+extern crate std;
+
 use core::num::NonZeroU32;
 
 /// Index of a chunk record in the chunk table. `Option<ChunkHandle>` is 4 bytes (the niche is 0).
@@ -177,7 +180,34 @@ pub(crate) struct ChunkTable<T> {
     live: usize,
 }
 
-impl<T: AsRef<[Chunk]> + AsMut<[Chunk]>> ChunkTable<T> {
+/// Storage for the engine's chunk table: a fixed slice of records, handed to [`Bfc::new`].
+///
+/// # Safety
+///
+/// For as long as the engine holds the value, `as_ref` and `as_mut` return the same slice (same
+/// start and length) on every call, and nothing else reaches it: the table indexes it without
+/// bounds checks, within the length it saw when the engine was built. (`AsRef` and `AsMut` are
+/// safe traits, so a safe implementation could return a shorter slice; hence this promise.)
+///
+/// [`Bfc::new`]: super::Bfc::new
+pub unsafe trait ChunkStorage: AsRef<[Chunk]> + AsMut<[Chunk]> {}
+
+// SAFETY: a borrowed slice is the same slice for the whole borrow, and the borrow is exclusive.
+unsafe impl ChunkStorage for &mut [Chunk] {}
+
+// SAFETY: an array's slice is the array itself, of fixed length.
+unsafe impl<const N: usize> ChunkStorage for [Chunk; N] {}
+
+// SAFETY: a vector's slice changes only through `&mut Vec` methods that change its length or
+// capacity; the engine calls none (it only indexes the slice), and it owns the vector.
+#[cfg(feature = "std")]
+unsafe impl ChunkStorage for std::vec::Vec<Chunk> {}
+
+// SAFETY: a boxed slice has a fixed length and moves only with its box, which the engine owns.
+#[cfg(feature = "std")]
+unsafe impl ChunkStorage for std::boxed::Box<[Chunk]> {}
+
+impl<T: ChunkStorage> ChunkTable<T> {
     pub(crate) fn new(storage: T) -> Self {
         ChunkTable {
             storage,
@@ -240,7 +270,7 @@ impl<T: AsRef<[Chunk]> + AsMut<[Chunk]>> ChunkTable<T> {
         debug_assert!(h.index() < self.high_water);
         let slots = self.storage.as_ref();
         // SAFETY: handles are only created by `alloc`, which hands out indices below
-        // `high_water <= capacity() <= slots.len()`, and the table never shrinks.
+        // `high_water <= capacity() <= slots.len()`, and the slice never changes (`ChunkStorage`).
         unsafe { slots.get_unchecked(h.index()) }
     }
 

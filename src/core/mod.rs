@@ -63,7 +63,7 @@ mod source;
 use core::ptr::NonNull;
 
 pub use bins::NUM_BINS;
-pub use chunk::{Chunk, ChunkHandle};
+pub use chunk::{Chunk, ChunkHandle, ChunkStorage};
 pub use report::{AllocError, BinSummary, CheckError, FreeError, OomCause, OomReport, Stats};
 pub use source::MemorySource;
 
@@ -152,8 +152,8 @@ impl Config {
 
     /// Checks the parameters; `Err` names the first bad one.
     pub const fn validate(&self) -> Result<(), &'static str> {
-        if !self.granule.is_power_of_two() || self.granule < 8 {
-            return Err("granule must be a power of two of at least 8");
+        if !self.granule.is_power_of_two() || self.granule < 8 || self.granule > REGION_ALIGN_MAX {
+            return Err("granule must be a power of two from 8 to 2 MiB");
         }
         if self.fit_scan == 0 {
             return Err("fit_scan must be at least 1");
@@ -304,7 +304,7 @@ pub struct Bfc<S, T> {
 // source's contract); moving the engine to another thread moves that ownership with it.
 unsafe impl<S: Send, T: Send> Send for Bfc<S, T> {}
 
-impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
+impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     /// Creates an engine over `source`, with chunk records stored in `table` (its length is the
     /// capacity; its contents are overwritten as needed). Nothing is obtained from the source yet.
     pub fn new(config: Config, source: S, table: T) -> Result<Self, &'static str> {
@@ -351,8 +351,10 @@ impl<S: MemorySource, T: AsRef<[Chunk]> + AsMut<[Chunk]>> Bfc<S, T> {
         &self.source
     }
 
-    /// The memory source, mutably.
-    pub fn source_mut(&mut self) -> &mut S {
+    /// The memory source, mutably. Not public: the engine holds the source's regions and pointer
+    /// maps, so replacing the source (or anything that frees what it handed out) from safe code
+    /// would leave the engine using freed memory.
+    pub(crate) fn source_mut(&mut self) -> &mut S {
         &mut self.source
     }
 

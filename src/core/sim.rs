@@ -33,7 +33,16 @@ pub struct SimSource {
 impl SimSource {
     /// An address space of `capacity` bytes at `base` (which should be aligned generously, e.g. to
     /// 1 GiB, so that aligned requests are easy to satisfy).
+    ///
+    /// # Panics
+    ///
+    /// If `base + capacity` overflows: the source promises regions that do not wrap around the
+    /// address space.
     pub fn new(base: usize, capacity: usize) -> Self {
+        assert!(
+            base.checked_add(capacity).is_some(),
+            "SimSource: base + capacity wraps around the address space"
+        );
         SimSource {
             base,
             capacity,

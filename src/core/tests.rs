@@ -593,6 +593,29 @@ fn reports_format_any_values_without_panicking() {
 }
 
 #[test]
+fn a_granule_above_the_region_alignment_is_refused() {
+    // Regions are aligned to at most 2 MiB; a larger granule used to pass `validate` and then
+    // panic on the first allocation.
+    let mut cfg = Config::device(1 << 30);
+    cfg.granule = 4 << 20;
+    assert_eq!(
+        cfg.validate(),
+        Err("granule must be a power of two from 8 to 2 MiB")
+    );
+    assert!(Bfc::new(cfg, SimSource::new(BASE, 1 << 36), vec![Chunk::EMPTY; 16]).is_err());
+    cfg.granule = 2 << 20;
+    let mut b = engine(cfg);
+    let p = alloc(&mut b, 100, 8);
+    assert_eq!(b.usable_size(p), Ok(2 << 20));
+}
+
+#[test]
+#[should_panic(expected = "wraps around the address space")]
+fn a_simulated_source_that_would_wrap_is_refused() {
+    let _ = SimSource::new(usize::MAX - 4095, 1 << 20);
+}
+
+#[test]
 fn near_isize_max_requests_fail() {
     let mut b = engine(Config::host(1 << 30));
     let r = b.allocate(isize::MAX as usize - 4096, 8);

@@ -45,7 +45,20 @@ impl std::error::Error for BackendError {}
 /// [`event_done`](Self::event_done) says whether that work has finished and
 /// [`event_sync`](Self::event_sync) waits for it. The pool relies on these to decide when a block
 /// freed on one stream may be handed to another.
-pub trait DeviceBackend: Send + 'static {
+///
+/// # Safety
+///
+/// The pool hands out device memory on the strength of these answers, so an implementation
+/// promises:
+/// - [`mem_alloc`](Self::mem_alloc) returns the start of `bytes` of device memory that does not
+///   overlap any other live allocation of this back end, does not wrap around the address space,
+///   and stays the pool's until [`mem_free`](Self::mem_free);
+/// - [`stream_done`](Self::stream_done), [`event_done`](Self::event_done),
+///   [`event_sync`](Self::event_sync), [`synchronize`](Self::synchronize) and
+///   [`finish_uses`](Self::finish_uses) report work as finished or ordered only when it is (an
+///   error is always a safe answer);
+/// - no method calls back into the pool.
+pub unsafe trait DeviceBackend: Send + 'static {
     /// A stream handle (cheap to clone); buffers keep the one they were allocated on.
     type Stream: Clone + Send + Sync + 'static;
     /// A recorded point in a stream.

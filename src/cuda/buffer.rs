@@ -86,13 +86,17 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
     }
 
     /// Queues on the home stream a write of zeros to the whole block, after the buffer's last use
-    /// on another stream (see [`CudaUses`](super::CudaUses)). On failure nothing is queued.
-    pub fn zero(&mut self) -> Result<(), super::PoolError> {
+    /// on another stream (see [`CudaUses`](super::CudaUses)). On failure nothing is queued. Only
+    /// for element types whose all-zero bit pattern is a valid value.
+    pub fn zero(&mut self) -> Result<(), super::PoolError>
+    where
+        T: cudarc::driver::ValidAsZeroBits,
+    {
         let (stream, uses, ptr, size) = (&self.stream, &self.uses, self.ptr, self.size);
-        self.pool()
-            // SAFETY: the block `[ptr, ptr + size)` is owned by this buffer, whose home stream is
-            // `stream` and whose uses are recorded in `uses`.
-            .with_backend_mut(|b| unsafe { b.memset_zero(stream, uses, ptr, size) })
+        let pool = self.pool();
+        // SAFETY: the closure leaves the back end in place and only queues a write to the block
+        // `[ptr, ptr + size)`, which this buffer owns (home stream `stream`, uses in `uses`).
+        unsafe { pool.with_backend_mut(|b| b.memset_zero(stream, uses, ptr, size)) }
             .map_err(Into::into)
     }
 }

@@ -93,7 +93,10 @@ fn bind(ctx: &CudaContext) -> Result<(), BackendError> {
 
 // The driver calls go through cudarc's `result` layer with `bind`, so that the pool never consumes
 // an error cudarc recorded for the user.
-impl DeviceBackend for CudaBackend {
+// SAFETY: memory comes from `cuMemAlloc` (disjoint live ranges, ours until `cuMemFree`); the
+// answers about streams, events and synchronisation are the driver's own, and a failed query is
+// reported as an error; nothing here calls into the pool.
+unsafe impl DeviceBackend for CudaBackend {
     type Stream = Arc<CudaStream>;
     type Event = CudaEvent;
     type Uses = CudaUses;
@@ -483,7 +486,7 @@ impl DevicePool<CudaBackend> {
 
     /// The pool's context.
     pub fn context(&self) -> Arc<CudaContext> {
-        self.with_backend_mut(|b| b.context().clone())
+        self.inspect_backend(|b| b.context().clone())
     }
 
     /// A buffer of `len` zeros of `T` on `stream` (the zeroing is queued on `stream`).

@@ -63,7 +63,8 @@ pub struct PoolOptions {
     pub initial_region_size: usize,
     /// The cap on memory obtained from the driver (padding of over-aligned regions included).
     pub limit: MemoryLimit,
-    /// Capacity of the chunk table, in chunk records of 32 bytes of host memory each (default 2^18).
+    /// Capacity of the chunk table, in chunk records of 32 bytes of host memory each (default 2^18;
+    /// from 2 to `u32::MAX - 1`, and the table must be allocatable: `PoolError::Config` otherwise).
     pub chunk_capacity: usize,
 }
 
@@ -745,8 +746,10 @@ impl<B: DeviceBackend> core::fmt::Debug for DevicePool<B> {
 impl<B: DeviceBackend> DevicePool<B> {
     /// A pool over `backend`. Nothing is allocated until the first buffer.
     pub fn with_backend(mut backend: B, options: PoolOptions) -> Result<Self, PoolError> {
-        if options.chunk_capacity < 2 {
-            return Err(PoolError::Config("chunk_capacity must be at least 2"));
+        if !(2..u32::MAX as usize).contains(&options.chunk_capacity) {
+            return Err(PoolError::Config(
+                "chunk_capacity must be from 2 to u32::MAX - 1",
+            ));
         }
         let (free, total) = backend.mem_info()?;
         let cc_major = match options.limit {
@@ -762,7 +765,12 @@ impl<B: DeviceBackend> DevicePool<B> {
             limit
         };
         let ordinal = backend.ordinal();
-        let table = std::vec![Chunk::EMPTY; options.chunk_capacity];
+        // (Fallibly: a capacity the host cannot hold is an error, not an abort.)
+        let mut table = std::vec::Vec::new();
+        table
+            .try_reserve_exact(options.chunk_capacity)
+            .map_err(|_| PoolError::Config("chunk_capacity: no host memory for the chunk table"))?;
+        table.resize(options.chunk_capacity, Chunk::EMPTY);
         let bfc = Bfc::new(config, DeviceSource::new(backend, limit), table)
             .map_err(PoolError::Config)?;
         Ok(DevicePool {
@@ -894,7 +902,18 @@ impl<B: DeviceBackend> DevicePool<B> {
     }
 
     /// Calls `f` with the back end (under the pool's lock; `f` must not use this pool).
-    pub fn with_backend_mut<R>(&self, f: impl FnOnce(&mut B) -> R) -> R {
+    pub fn inspect_backend<R>(&self, f: impl FnOnce(&B) -> R) -> R {
+        f(self.shared.lock().backend())
+    }
+
+    /// Calls `f` with the back end, mutably (under the pool's lock; `f` must not use this pool).
+    ///
+    /// # Safety
+    ///
+    /// `f` must leave the back end serving this pool: it must not replace it (say with a back end
+    /// of another device or context), nor free, reuse or change memory, streams or events the
+    /// pool got from it. The pool frees its regions through the back end and trusts its answers.
+    pub unsafe fn with_backend_mut<R>(&self, f: impl FnOnce(&mut B) -> R) -> R {
         f(self.shared.lock().backend())
     }
 }
