@@ -69,6 +69,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .map_err(|e| e.to_string())
             }) {
             Ok(f) => Some(f),
+            Err(e) if std::env::var("BFC_REQUIRE_GPU").is_ok_and(|v| v == "1") => {
+                return Err(
+                    format!("BFC_REQUIRE_GPU=1, but the kernel cannot be built: {e}").into(),
+                );
+            }
             Err(e) => {
                 println!("cannot build the kernel ({e}): skipping the kernel launch");
                 None

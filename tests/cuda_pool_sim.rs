@@ -1223,7 +1223,9 @@ fn a_failed_region_free_is_a_deferred_error() {
     let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
     let a = alloc(&p, A, 1000).unwrap();
     let addr = a.device_address();
-    // SAFETY: simulated memory; the region is freed behind the pool's back to make its free fail.
+    // SAFETY: this breaks `with_backend_mut`'s contract on purpose, to make the pool's own free of
+    // the region fail; on the simulated device no memory is behind the addresses, so nothing can
+    // be read or written through them.
     unsafe { p.with_backend_mut(|b| bfc_alloc::cuda::DeviceBackend::mem_free(b, addr)) }.unwrap();
     drop(a);
     p.synchronize();

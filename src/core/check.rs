@@ -32,11 +32,20 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         let mut reserved = 0usize;
         let mut total_chunks = 0usize;
         let mut last_end = 0usize;
+        if self.table.high_water() > self.table.capacity() {
+            return fail("chunk table high-water mark beyond its capacity", 0);
+        }
         for (i, r) in self.regions[..self.num_regions].iter().enumerate() {
             if i > 0 && r.base < last_end {
                 return fail("regions overlap or are unsorted", r.base);
             }
-            last_end = r.base + r.size;
+            let Some(end) = r.base.checked_add(r.size) else {
+                return fail("region wraps around the address space", r.base);
+            };
+            if r.map_used > r.map_len || r.size.div_ceil(1 << self.block_shift) > r.map_len {
+                return fail("region's pointer map shorter than the region", r.base);
+            }
+            last_end = end;
             reserved += r.size;
             let Some(first) = r.first else {
                 return fail("region without chunks", r.base);
@@ -56,6 +65,10 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
                 }
                 if c.size() == 0 || c.size() % granule != 0 || c.ptr() % granule != 0 {
                     return fail("chunk size or address not a granule multiple", c.ptr());
+                }
+                // (Before the map check, which reads the map entries of the blocks the chunk spans.)
+                if c.ptr() < r.base || c.ptr().checked_add(c.size()).is_none_or(|e| e > end) {
+                    return fail("chunk runs past its region", c.ptr());
                 }
                 match prev {
                     None if c.ptr() != r.base || c.prev.is_some() => {

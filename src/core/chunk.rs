@@ -184,10 +184,12 @@ pub(crate) struct ChunkTable<T> {
 ///
 /// # Safety
 ///
-/// For as long as the engine holds the value, `as_ref` and `as_mut` return the same slice (same
-/// start and length) on every call, and nothing else reaches it: the table indexes it without
-/// bounds checks, within the length it saw when the engine was built. (`AsRef` and `AsMut` are
-/// safe traits, so a safe implementation could return a shorter slice; hence this promise.)
+/// For as long as the engine holds the value, `as_ref` and `as_mut` return the same records on
+/// every call: a slice of the same length (it may move with the value, as an array does), whose
+/// contents change only through the engine. The table indexes it without bounds checks, within
+/// the length it saw first, and follows handles it stored in the records. (`AsRef` and `AsMut` are
+/// safe traits, so a safe implementation could return a shorter or another slice; hence this
+/// promise.)
 ///
 /// [`Bfc::new`]: super::Bfc::new
 pub unsafe trait ChunkStorage: AsRef<[Chunk]> + AsMut<[Chunk]> {}

@@ -86,7 +86,8 @@ const REGION_ALIGN_MAX: usize = 1 << 21;
 /// Engine parameters. Use [`Config::device`] or [`Config::host`] and adjust.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Config {
-    /// Allocation unit in bytes: a power of two, at least 8. Every chunk size and address is a multiple.
+    /// Allocation unit in bytes: a power of two from 8 to 2 MiB. Every chunk size and address is a
+    /// multiple.
     pub granule: usize,
     /// Cap on the bytes obtained from the source.
     pub memory_limit: usize,

@@ -550,6 +550,29 @@ fn checker_reports_out_of_range_handles_in_every_list() {
 }
 
 #[test]
+fn checker_reports_chunks_and_maps_past_their_region_instead_of_reading_past_them() {
+    let mut b = engine(Config::device(1 << 30));
+    let p = alloc(&mut b, 256, 1);
+    let h = b.lookup_in_use(p).unwrap();
+    let size = b.table.get(h).size();
+    let region = b.regions[0].size;
+    for bad in [size + 4 * region, usize::MAX & !255] {
+        b.table.get_mut(h).set_size(bad);
+        assert_eq!(b.check().unwrap_err().what, "chunk runs past its region");
+    }
+    b.table.get_mut(h).set_size(size);
+    checked(&b);
+    let used = b.regions[0].map_used;
+    b.regions[0].map_used = b.regions[0].map_len + 1;
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "region's pointer map shorter than the region"
+    );
+    b.regions[0].map_used = used;
+    checked(&b);
+}
+
+#[test]
 fn reports_format_any_values_without_panicking() {
     use std::string::ToString;
     // A fresh engine: nothing in use, so no percentage of it.

@@ -53,10 +53,17 @@ impl std::error::Error for BackendError {}
 /// - [`mem_alloc`](Self::mem_alloc) returns the start of `bytes` of device memory that does not
 ///   overlap any other live allocation of this back end, does not wrap around the address space,
 ///   and stays the pool's until [`mem_free`](Self::mem_free);
-/// - [`stream_done`](Self::stream_done), [`event_done`](Self::event_done),
+/// - streams: [`check_stream`](Self::check_stream) accepts only streams on which work is queued
+///   in order, and [`stream_id`](Self::stream_id) gives two accepted streams the same id only if
+///   they are the same stream (a clone names the same stream): a block freed on a stream is handed
+///   to that stream's next allocation without any wait;
+/// - [`record_event`](Self::record_event) marks everything queued on its stream so far;
+///   [`stream_done`](Self::stream_done), [`event_done`](Self::event_done),
 ///   [`event_sync`](Self::event_sync), [`synchronize`](Self::synchronize) and
 ///   [`finish_uses`](Self::finish_uses) report work as finished or ordered only when it is (an
 ///   error is always a safe answer);
+/// - [`memset_zero`](Self::memset_zero) writes only the range it is given, on the stream it is
+///   given;
 /// - no method calls back into the pool.
 pub unsafe trait DeviceBackend: Send + 'static {
     /// A stream handle (cheap to clone); buffers keep the one they were allocated on.

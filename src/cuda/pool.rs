@@ -65,6 +65,9 @@ pub struct PoolOptions {
     pub limit: MemoryLimit,
     /// Capacity of the chunk table, in chunk records of 32 bytes of host memory each (default 2^18;
     /// from 2 to `u32::MAX - 1`, and the table must be allocatable: `PoolError::Config` otherwise).
+    /// The table is written whole when the pool is made, so under overcommit a table larger than
+    /// the free host memory may get past the allocation and then fail as the process runs out of
+    /// memory: size it to the blocks you expect.
     pub chunk_capacity: usize,
 }
 
@@ -911,8 +914,10 @@ impl<B: DeviceBackend> DevicePool<B> {
     /// # Safety
     ///
     /// `f` must leave the back end serving this pool: it must not replace it (say with a back end
-    /// of another device or context), nor free, reuse or change memory, streams or events the
-    /// pool got from it. The pool frees its regions through the back end and trusts its answers.
+    /// of another device or context), nor free or reuse memory, streams or events the pool got
+    /// from it; it may queue work on a block only as the block's owner may (a live buffer's, on
+    /// its home stream, ordered as [`DeviceBuffer::zero`] does). The pool frees its regions
+    /// through the back end and trusts its answers.
     pub unsafe fn with_backend_mut<R>(&self, f: impl FnOnce(&mut B) -> R) -> R {
         f(self.shared.lock().backend())
     }

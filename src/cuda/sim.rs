@@ -236,7 +236,17 @@ impl SimDevice {
     }
 
     /// A device with `total` bytes and the given ordinal.
+    ///
+    /// # Panics
+    ///
+    /// If its addresses would not fit the address space: device `ordinal` starts at
+    /// `(ordinal + 1) * 2^40`, so `ordinal` must be below 2^23 and `total` at most what is left
+    /// above that base.
     pub fn with_ordinal(ordinal: usize, total: usize) -> Self {
+        assert!(
+            ordinal < 1 << 23,
+            "SimDevice: ordinal {ordinal} beyond the simulated address space"
+        );
         SimDevice {
             state: Arc::new(Mutex::new(SimState {
                 ordinal,
