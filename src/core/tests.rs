@@ -573,6 +573,16 @@ fn checker_reports_chunks_and_maps_past_their_region_instead_of_reading_past_the
 }
 
 #[test]
+fn an_all_zero_record_is_the_empty_record() {
+    // Zero-filled memory backs chunk tables without initialisation (the host's mapping, the device
+    // pool's zeroed allocation): that relies on this.
+    // SAFETY: every field of `Chunk` is an integer or an `Option` of a non-zero integer, for which
+    // all-zero bytes are valid (0 and `None`).
+    let zero: Chunk = unsafe { core::mem::zeroed() };
+    assert_eq!(std::format!("{zero:?}"), std::format!("{:?}", Chunk::EMPTY));
+}
+
+#[test]
 fn reports_format_any_values_without_panicking() {
     use std::string::ToString;
     // A fresh engine: nothing in use, so no percentage of it.

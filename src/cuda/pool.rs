@@ -65,9 +65,9 @@ pub struct PoolOptions {
     pub limit: MemoryLimit,
     /// Capacity of the chunk table, in chunk records of 32 bytes of host memory each (default 2^18;
     /// from 2 to `u32::MAX - 1`, and the table must be allocatable: `PoolError::Config` otherwise).
-    /// The table is written whole when the pool is made, so under overcommit a table larger than
-    /// the free host memory may get past the allocation and then fail as the process runs out of
-    /// memory: size it to the blocks you expect.
+    /// The table is zero-filled memory from the global allocator, so its pages become resident only
+    /// as records are used (where the allocator hands out fresh pages for a large zeroed request,
+    /// as glibc and this crate's host allocator do).
     pub chunk_capacity: usize,
 }
 
@@ -222,7 +222,7 @@ impl<E> Spares<E> {
 
 /// Everything behind the pool's lock.
 pub(crate) struct State<B: DeviceBackend> {
-    bfc: Bfc<DeviceSource<B>, Vec<Chunk>>,
+    bfc: Bfc<DeviceSource<B>, Box<[Chunk]>>,
     /// Freed blocks waiting for their stream, one queue per stream with any. Invariants: each block
     /// is in use in `bfc`, and no queue is empty, except one that an allocation emptied: the next
     /// free on its stream fills it again, and the next poll (an allocation, a free on another
@@ -722,6 +722,24 @@ impl<B: DeviceBackend> Drop for Shared<B> {
     }
 }
 
+/// A chunk table of `n` empty records in zero-filled memory, so that its pages stay untouched (not
+/// resident) until records are used. `None` if the host cannot allocate it.
+fn zeroed_table(n: usize) -> Option<Box<[Chunk]>> {
+    let layout = std::alloc::Layout::array::<Chunk>(n).ok()?;
+    if layout.size() == 0 {
+        return Some(Box::new([]));
+    }
+    // SAFETY: the layout has a non-zero size.
+    let p = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<Chunk>();
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: `p` is a fresh allocation from the global allocator with the layout of `n` records,
+    // zero-filled, and all-zero bytes are a valid (empty) `Chunk` (see `Chunk::EMPTY`); the box
+    // frees it with the same layout.
+    Some(unsafe { Box::from_raw(core::ptr::slice_from_raw_parts_mut(p, n)) })
+}
+
 /// A BFC pool over one device's memory. Cheap to clone (a shared handle); `Send + Sync`.
 ///
 /// See the [module documentation](super) for the stream model.
@@ -769,11 +787,9 @@ impl<B: DeviceBackend> DevicePool<B> {
         };
         let ordinal = backend.ordinal();
         // (Fallibly: a capacity the host cannot hold is an error, not an abort.)
-        let mut table = std::vec::Vec::new();
-        table
-            .try_reserve_exact(options.chunk_capacity)
-            .map_err(|_| PoolError::Config("chunk_capacity: no host memory for the chunk table"))?;
-        table.resize(options.chunk_capacity, Chunk::EMPTY);
+        let table = zeroed_table(options.chunk_capacity).ok_or(PoolError::Config(
+            "chunk_capacity: no host memory for the chunk table",
+        ))?;
         let bfc = Bfc::new(config, DeviceSource::new(backend, limit), table)
             .map_err(PoolError::Config)?;
         Ok(DevicePool {
