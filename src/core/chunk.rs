@@ -186,8 +186,8 @@ pub(crate) struct ChunkTable<T> {
 ///
 /// For as long as the engine holds the value, `as_ref` and `as_mut` return the same records on
 /// every call: a slice of the same length (it may move with the value, as an array does), whose
-/// contents change only through the engine. The table indexes it without bounds checks, within
-/// the length it saw first, and follows handles it stored in the records. (`AsRef` and `AsMut` are
+/// contents change only through the engine. The table indexes it without bounds checks, below
+/// the length it reads from it, and follows handles it stored in the records. (`AsRef` and `AsMut` are
 /// safe traits, so a safe implementation could return a shorter or another slice; hence this
 /// promise.)
 ///

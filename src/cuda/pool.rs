@@ -66,8 +66,9 @@ pub struct PoolOptions {
     /// Capacity of the chunk table, in chunk records of 32 bytes of host memory each (default 2^18;
     /// from 2 to `u32::MAX - 1`, and the table must be allocatable: `PoolError::Config` otherwise).
     /// The table is zero-filled memory from the global allocator, so its pages become resident only
-    /// as records are used (where the allocator hands out fresh pages for a large zeroed request,
-    /// as glibc and this crate's host allocator do).
+    /// as records are used, where the allocator hands out fresh pages for a large zeroed request
+    /// without writing them (as glibc does unless `MALLOC_PERTURB_` is set, and as this crate's
+    /// host allocator does).
     pub chunk_capacity: usize,
 }
 

@@ -239,9 +239,9 @@ impl SimDevice {
     ///
     /// # Panics
     ///
-    /// If its addresses would not fit the address space: device `ordinal` starts at
-    /// `(ordinal + 1) * 2^40`, so `ordinal` must be below 2^23 and `total` at most what is left
-    /// above that base.
+    /// If `ordinal` is 2^23 or more (device `ordinal`'s addresses start at `(ordinal + 1) * 2^40`;
+    /// the bound keeps that base well inside the address space), or if `total` bytes do not fit
+    /// above that base (see [`SimSource::new`](crate::core::sim::SimSource::new)).
     pub fn with_ordinal(ordinal: usize, total: usize) -> Self {
         assert!(
             ordinal < 1 << 23,
