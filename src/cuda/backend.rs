@@ -61,7 +61,8 @@ impl std::error::Error for BackendError {}
 ///   [`stream_done`](Self::stream_done), [`event_done`](Self::event_done),
 ///   [`event_sync`](Self::event_sync), [`synchronize`](Self::synchronize) and
 ///   [`finish_uses`](Self::finish_uses) report work as finished or ordered only when it is (an
-///   error is always a safe answer);
+///   error is always a safe answer), for the uses the back end is told of: uses it cannot see
+///   must be documented as the caller's to order (see [`CudaUses`](super::CudaUses));
 /// - [`memset_zero`](Self::memset_zero) writes only the range it is given, on the stream it is
 ///   given;
 /// - no method calls back into the pool.

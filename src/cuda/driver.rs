@@ -93,9 +93,23 @@ fn bind(ctx: &CudaContext) -> Result<(), BackendError> {
 
 // The driver calls go through cudarc's `result` layer with `bind`, so that the pool never consumes
 // an error cudarc recorded for the user.
-// SAFETY: memory comes from `cuMemAlloc` (disjoint live ranges, ours until `cuMemFree`); the
-// answers about streams, events and synchronisation are the driver's own, and a failed query is
-// reported as an error; nothing here calls into the pool.
+// SAFETY:
+// - Memory comes from `cuMemAlloc`: disjoint live ranges, ours until `cuMemFree`.
+// - Streams: `check_stream` refuses other driver contexts and the per-thread handle, and a
+//   stream handle is unique within its context while the stream lives; the pool keeps an `Arc`
+//   of every stream with pending blocks (a borrowed stream is the caller's to keep alive, as
+//   `wrap_borrowed_stream`'s own contract says). The legacy stream has two ids (null and
+//   `CU_STREAM_LEGACY`), which only keeps blocks from moving between them.
+// - Stream, event and synchronisation answers are the driver's own; a failed query is an error,
+//   which the pool treats as "not finished".
+// - `finish_uses` and the ordering before `memset_zero` come from the use protocol
+//   (`CudaUses`), which sees the uses cudarc reports through `device_ptr`. Two cases escape it,
+//   both documented (`CudaUses`, README) and both from cudarc's API, with the same effect on
+//   cudarc's own buffers: a peer copy to another context's memory (cudarc reports it as a use on
+//   the buffer's own stream and runs it on the other context's stream), and a use whose end
+//   cudarc skipped for a recorded error that safe code then took out of the context before the
+//   free. Ordering those is the caller's part of the contract.
+// - Nothing here calls into the pool.
 unsafe impl DeviceBackend for CudaBackend {
     type Stream = Arc<CudaStream>;
     type Event = CudaEvent;
