@@ -2894,6 +2894,30 @@ mod tests {
         assert!(!stdout.contains("survived"));
     }
 
+    /// A block handed out past the committed end of the arena (a bug: every caller commits first)
+    /// aborts with a clear message before the caller's first write would fault.
+    #[test]
+    #[cfg_attr(miri, ignore = "spawns a child process")]
+    fn a_block_past_the_committed_arena_aborts() {
+        let case = "a_block_past_the_committed_arena_aborts";
+        if is_child(case) {
+            let a = small_instance();
+            a.with_heap(|h| {
+                let end = h.bfc.source().committed_end();
+                h.note_allocated(end - 16, 32);
+            });
+            std::println!("child survived");
+            return;
+        }
+        let (status, stdout, stderr) = run_child(case);
+        assert_eq!(status.signal(), Some(libc::SIGABRT), "{stderr}");
+        assert!(
+            stderr.contains("beyond the committed arena; aborting"),
+            "{stderr}"
+        );
+        assert!(!stdout.contains("survived"));
+    }
+
     /// The checker sees a block in the calling thread's cache that its span holds as free (a double
     /// free not caught yet).
     #[test]
