@@ -16,9 +16,14 @@ extern "C" __global__ void scale(float *x, unsigned long long n, float a) {
 }
 "#;
 
-/// Says why there is nothing to run on: `Ok` (exit 0), or an error when `BFC_REQUIRE_GPU=1`.
+/// Whether `BFC_REQUIRE_GPU=1`: on a GPU machine, a skipped step must fail instead.
+fn gpu_required() -> bool {
+    std::env::var("BFC_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// Says why there is nothing to run on: `Ok` (exit 0), or an error when a GPU is required.
 fn nothing_to_run(reason: &str) -> Result<(), Box<dyn std::error::Error>> {
-    if std::env::var("BFC_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+    if gpu_required() {
         return Err(format!("BFC_REQUIRE_GPU=1, but {reason}").into());
     }
     println!("{reason}: nothing to run on; exiting");
@@ -69,7 +74,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .map_err(|e| e.to_string())
             }) {
             Ok(f) => Some(f),
-            Err(e) if std::env::var("BFC_REQUIRE_GPU").is_ok_and(|v| v == "1") => {
+            Err(e) if gpu_required() => {
                 return Err(
                     format!("BFC_REQUIRE_GPU=1, but the kernel cannot be built: {e}").into(),
                 );

@@ -18,6 +18,17 @@ fn heavy() -> std::sync::MutexGuard<'static, ()> {
     HEAVY.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A private instance whose arena is exactly `bytes` (no smaller fallback), with or without
+/// thread caches.
+fn fixed_arena(bytes: usize, thread_cache: bool) -> GlobalBfc {
+    GlobalBfc::with_config(bfc_alloc::HostConfig {
+        arena_size: bytes,
+        min_arena_size: bytes,
+        thread_cache,
+        ..bfc_alloc::HostConfig::DEFAULT
+    })
+}
+
 fn rss_bytes() -> usize {
     let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
     let pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
@@ -457,11 +468,7 @@ fn blocks_of_64_kib_or_more_start_at_64_kib_boundaries() {
 fn large_blocks_near_the_arena_limit_still_fit() {
     // The 64 KiB grid is a preference: a block whose padding would not fit is placed as asked.
     for size in [4 << 20, (4 << 20) - 16, (4 << 20) - (32 << 10)] {
-        let local = GlobalBfc::with_config(bfc_alloc::HostConfig {
-            arena_size: 4 << 20,
-            min_arena_size: 4 << 20,
-            ..bfc_alloc::HostConfig::DEFAULT
-        });
+        let local = fixed_arena(4 << 20, true);
         let l = Layout::from_size_align(size, 8).unwrap();
         // SAFETY: a non-zero layout; the block is written within its size and freed once with it.
         unsafe {
@@ -498,12 +505,7 @@ fn a_private_instance_works_beside_the_global_one() {
 fn a_request_larger_than_an_idle_arena_keeps_the_arena() {
     // Every block free: the arena is one free region. A request that can never fit must fail
     // without giving that region back (which would report nothing reserved and drop its pages).
-    let local = GlobalBfc::with_config(bfc_alloc::HostConfig {
-        arena_size: 64 << 20,
-        min_arena_size: 64 << 20,
-        thread_cache: false,
-        ..bfc_alloc::HostConfig::DEFAULT
-    });
+    let local = fixed_arena(64 << 20, false);
     let l = Layout::from_size_align(8 << 20, 8).unwrap();
     // SAFETY: non-zero layouts; the block is written within its size and freed once with it; the
     // null results are only compared.
@@ -533,12 +535,7 @@ fn a_request_larger_than_an_idle_arena_keeps_the_arena() {
 fn a_freed_small_block_aligned_above_4_kib_coalesces_at_once() {
     // Such a block comes from the engine, not the slabs: freed, it joins its free neighbours at
     // once instead of waiting, uncoalesced, in a cache the host never takes it back from.
-    let local = GlobalBfc::with_config(bfc_alloc::HostConfig {
-        arena_size: 64 << 20,
-        min_arena_size: 64 << 20,
-        thread_cache: false,
-        ..bfc_alloc::HostConfig::DEFAULT
-    });
+    let local = fixed_arena(64 << 20, false);
     let l = Layout::from_size_align(512, 8 << 10).unwrap();
     // SAFETY: a non-zero layout; the block is written within its size and freed once with it.
     unsafe {
@@ -559,12 +556,7 @@ fn a_freed_small_block_aligned_above_4_kib_coalesces_at_once() {
 fn metadata_bytes_do_not_fall_when_the_top_is_trimmed() {
     // The span table's entries stay touched when the arena's top goes back to the kernel, so the
     // metadata that may be resident does not shrink with it.
-    let local = GlobalBfc::with_config(bfc_alloc::HostConfig {
-        arena_size: 256 << 20,
-        min_arena_size: 256 << 20,
-        thread_cache: false,
-        ..bfc_alloc::HostConfig::DEFAULT
-    });
+    let local = fixed_arena(256 << 20, false);
     let l = Layout::from_size_align(48, 8).unwrap();
     // SAFETY: a non-zero layout; each block is written within its size and freed once with it.
     let blocks: Vec<usize> = (0..400_000)
@@ -595,12 +587,7 @@ fn metadata_bytes_do_not_fall_when_the_top_is_trimmed() {
 fn largest_alloc_size_is_the_largest_block_handed_out() {
     // As the engine's stats: the block's size (what `usable_size` reports), not the request.
     for cache in [false, true] {
-        let local = GlobalBfc::with_config(bfc_alloc::HostConfig {
-            arena_size: 64 << 20,
-            min_arena_size: 64 << 20,
-            thread_cache: cache,
-            ..bfc_alloc::HostConfig::DEFAULT
-        });
+        let local = fixed_arena(64 << 20, cache);
         // SAFETY: non-zero layouts; each block is freed once with the layout it was made with
         // (the realloc'd one with its new size).
         unsafe {

@@ -55,10 +55,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             let mut sum = 0usize;
             let mut last_block = usize::MAX;
             while let Some(h) = cur {
-                if h.index() >= self.table.high_water() {
-                    return fail("chunk handle out of range", 0);
-                }
-                let c = *self.table.get(h);
+                let c = *self.record(h)?;
                 total_chunks += 1;
                 if total_chunks > self.table.live() {
                     return fail("chunk list longer than the live records (cycle?)", c.ptr());
@@ -102,10 +99,10 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
                     // lists hold exactly the free chunks); O(1), so a check stays linear.
                     let linked = match c.free_prev {
                         None => self.bins.head(bin_for(c.size() / granule)) == Some(h),
-                        Some(p) => {
-                            p.index() < self.table.high_water()
-                                && self.table.get(p).free_next == Some(h)
-                        }
+                        Some(p) => self
+                            .table
+                            .get_checked(p)
+                            .is_some_and(|pc| pc.free_next == Some(h)),
                     };
                     if !linked {
                         return fail("free chunk not in the bin of its size", c.ptr());
@@ -129,10 +126,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             let mut cur = self.bins.head(b);
             let mut back: Option<ChunkHandle> = None;
             while let Some(h) = cur {
-                if h.index() >= self.table.high_water() {
-                    return fail("chunk handle out of range", 0);
-                }
-                let c = self.table.get(h);
+                let c = self.record(h)?;
                 binned += 1;
                 if binned > free_chunks {
                     return fail("more binned chunks than free chunks (cycle?)", c.ptr());
@@ -162,10 +156,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             let mut cur = head;
             let mut len = 0usize;
             while let Some(h) = cur {
-                if h.index() >= self.table.high_water() {
-                    return fail("chunk handle out of range", 0);
-                }
-                let c = self.table.get(h);
+                let c = self.record(h)?;
                 len += 1;
                 if !c.cached() || c.size() != g * granule || len > self.config.quick_depth {
                     return fail("quick list holds a wrong chunk or is too long", c.ptr());
@@ -196,11 +187,9 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         // size is a live one), and as many as the table says.
         let mut recycled = 0usize;
         for h in self.table.free_slots().take(self.table.high_water() + 1) {
-            if h.index() >= self.table.high_water() {
-                return fail("chunk handle out of range", 0);
-            }
-            if self.table.get(h).size() != 0 {
-                return fail("recycled chunk record not empty", self.table.get(h).ptr());
+            let c = self.record(h)?;
+            if c.size() != 0 {
+                return fail("recycled chunk record not empty", c.ptr());
             }
             recycled += 1;
         }
@@ -220,6 +209,15 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             return fail("a peak or the limit is below the current value", 0);
         }
         Ok(())
+    }
+
+    /// The record of `h`, or the error for a handle past every record handed out (a corrupted
+    /// link: reading it would leave the table).
+    fn record(&self, h: ChunkHandle) -> Result<&Chunk, CheckError> {
+        self.table.get_checked(h).ok_or(CheckError {
+            what: "chunk handle out of range",
+            at: 0,
+        })
     }
 
     /// The map entry of the block where `c` starts names the first chunk starting in that block, and

@@ -284,17 +284,19 @@ impl<T: ChunkStorage> ChunkTable<T> {
         unsafe { slots.get_unchecked_mut(h.index()) }
     }
 
+    /// The record of `h`, or `None` for a handle past every record handed out (a corrupted link,
+    /// which the invariant checker reports instead of following).
+    pub(crate) fn get_checked(&self, h: ChunkHandle) -> Option<&Chunk> {
+        (h.index() < self.high_water).then(|| self.get(h))
+    }
+
     /// Iterates the recycled-slot list (for the invariant checker). A handle out of range (a
     /// corrupted link) is yielded but not followed.
     pub(crate) fn free_slots(&self) -> impl Iterator<Item = ChunkHandle> + '_ {
         let mut cur = self.free_slot;
         core::iter::from_fn(move || {
             let h = cur?;
-            cur = if h.index() < self.high_water {
-                self.get(h).free_next
-            } else {
-                None
-            };
+            cur = self.get_checked(h).and_then(|c| c.free_next);
             Some(h)
         })
     }

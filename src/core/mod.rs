@@ -643,9 +643,13 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             .filter(|r| self.free_region_chunk(r).is_some())
             .map(|r| r.size)
             .sum();
-        let available = (self.config.memory_limit - (self.stats.bytes_reserved - free))
-            & !(self.config.granule - 1);
-        free > 0 && needed <= available
+        free > 0 && needed <= self.room_under_limit(self.stats.bytes_reserved - free)
+    }
+
+    /// The most a new region may take under the limit while `reserved` bytes are held (whole
+    /// granules).
+    fn room_under_limit(&self, reserved: usize) -> usize {
+        (self.config.memory_limit - reserved) & !(self.config.granule - 1)
     }
 
     /// Returns every fully free region to the source (after flushing the quick lists). Returns the
@@ -1216,7 +1220,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             return Err(OomCause::RegionTableFull);
         }
         let granule = self.config.granule;
-        let available = (self.config.memory_limit - self.stats.bytes_reserved) & !(granule - 1);
+        let available = self.room_under_limit(self.stats.bytes_reserved);
         if needed > available {
             return Err(OomCause::LimitReached);
         }

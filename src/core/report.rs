@@ -86,19 +86,11 @@ impl fmt::Display for Stats {
             self.num_chunks_in_use, self.num_free_chunks, self.num_cached_chunks, self.bytes_cached
         )?;
         writeln!(f, "regions:             {}", self.num_regions)?;
+        write!(f, "metadata_bytes:      {}", self.metadata_bytes)?;
         if self.bytes_in_use == 0 {
-            write!(
-                f,
-                "metadata_bytes:      {} (nothing in use)",
-                self.metadata_bytes
-            )
+            write!(f, " (nothing in use)")
         } else {
-            write!(
-                f,
-                "metadata_bytes:      {} ({:.2}% of in use)",
-                self.metadata_bytes,
-                self.metadata_overhead() * 100.0
-            )
+            write!(f, " ({:.2}% of in use)", self.metadata_overhead() * 100.0)
         }
     }
 }

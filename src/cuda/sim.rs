@@ -657,7 +657,7 @@ impl UseOps for SimDevice {
     }
 
     fn stream_id(&self, stream: &SimStream) -> Option<u64> {
-        (stream.0 as u32 != u32::MAX).then_some(stream.0)
+        (*stream != SimStream::per_thread(stream.context())).then_some(stream.0)
     }
 
     fn new_event(&self, _: &SimStream) -> Result<SimUseEvent, BackendError> {

@@ -145,7 +145,7 @@ impl<O: UseOps> Protocol<O> {
     /// if that fails, the free waits for the whole context.
     pub(crate) fn home_waits_for_foreign_uses(&self, ops: &O, home: &O::Stream) {
         if let Some(r) = self.record.get() {
-            r.home_waits_for_last_foreign_use(ops, home);
+            r.home_waits_for_foreign_uses(ops, home);
         }
     }
 
@@ -351,7 +351,7 @@ impl<O: UseOps> Record<O> {
     /// [`before_home_use`](Self::before_home_use) before a use that cannot fail (a guard): on
     /// failure the home stream's later work may overlap that use, and the free waits for the
     /// whole context.
-    fn home_waits_for_last_foreign_use(&self, ops: &O, home: &O::Stream) {
+    fn home_waits_for_foreign_uses(&self, ops: &O, home: &O::Stream) {
         if let Err(e) = self.before_home_use(ops, home) {
             self.unordered(e);
         }
@@ -363,13 +363,13 @@ impl<O: UseOps> Record<O> {
         let same_context = ops.same_context(home, other);
         if same_context && same_stream(ops, home, other) {
             // A use on the home stream waits for the last use on another stream.
-            self.home_waits_for_last_foreign_use(ops, home);
+            self.home_waits_for_foreign_uses(ops, home);
             return EndOfUse::Nothing;
         }
         let _guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
         // The previous use on another stream comes before this one too (and what is recorded on
         // or waited for on the home stream below comes after it).
-        self.home_waits_for_last_foreign_use(ops, home);
+        self.home_waits_for_foreign_uses(ops, home);
         let end = if same_context {
             self.enter_same_context(ops, home, other)
         } else {

@@ -1613,9 +1613,11 @@ impl Heap {
         let mut found = self.large_block(size, grid, align);
         // (A request larger than the arena, or aligned beyond what the engine serves, never fits:
         // no reclaim for it.)
-        let may_fit =
-            size <= self.arena_end - self.small.arena() && align <= crate::core::MAX_ALIGN;
-        if found.is_none() && may_fit && self.reclaim() {
+        if found.is_none()
+            && size <= self.arena_end - self.small.arena()
+            && align <= crate::core::MAX_ALIGN
+            && self.reclaim()
+        {
             found = self.large_block(size, grid, align);
         }
         match found {
@@ -2844,6 +2846,15 @@ mod tests {
         run_child_at("host::tests", case)
     }
 
+    /// Runs the test `module::case` in a child process, which must abort (SIGABRT) with `message`
+    /// on stderr, before it prints "survived".
+    pub(super) fn assert_child_aborts(module: &str, case: &str, message: &str) {
+        let (status, stdout, stderr) = run_child_at(module, case);
+        assert_eq!(status.signal(), Some(libc::SIGABRT), "{stdout}{stderr}");
+        assert!(stderr.contains(message), "{stderr}");
+        assert!(!stdout.contains("survived"), "{stdout}");
+    }
+
     /// Runs the test `module::case` alone in a child process, which [`is_child`] tells apart.
     /// A child still running after a minute (a hang where an abort was expected) is killed and
     /// fails the test.
@@ -2885,13 +2896,11 @@ mod tests {
             std::println!("child survived");
             return;
         }
-        let (status, stdout, stderr) = run_child(case);
-        assert_eq!(status.signal(), Some(libc::SIGABRT), "{stderr}");
-        assert!(
-            stderr.contains("bfc-alloc: fatal: panic inside the allocator, with its heap locked"),
-            "{stderr}"
+        assert_child_aborts(
+            "host::tests",
+            case,
+            "bfc-alloc: fatal: panic inside the allocator, with its heap locked",
         );
-        assert!(!stdout.contains("survived"));
     }
 
     /// A block handed out past the committed end of the arena (a bug: every caller commits first)
@@ -2909,13 +2918,7 @@ mod tests {
             std::println!("child survived");
             return;
         }
-        let (status, stdout, stderr) = run_child(case);
-        assert_eq!(status.signal(), Some(libc::SIGABRT), "{stderr}");
-        assert!(
-            stderr.contains("beyond the committed arena; aborting"),
-            "{stderr}"
-        );
-        assert!(!stdout.contains("survived"));
+        assert_child_aborts("host::tests", case, "beyond the committed arena; aborting");
     }
 
     /// The checker sees a block in the calling thread's cache that its span holds as free (a double
@@ -3002,14 +3005,11 @@ mod tests {
             std::println!("child survived");
             return;
         }
-        let (status, stdout, stderr) = run_child(case);
-        assert_eq!(status.signal(), Some(libc::SIGABRT), "{stderr}");
-        assert!(
-            stderr
-                .contains("bfc-alloc: fatal: allocator re-entered by the thread holding its lock"),
-            "{stderr}"
+        assert_child_aborts(
+            "host::tests",
+            case,
+            "bfc-alloc: fatal: allocator re-entered by the thread holding its lock",
         );
-        assert!(!stdout.contains("survived"));
     }
 
     #[test]

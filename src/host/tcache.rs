@@ -599,15 +599,11 @@ mod tests {
             std::println!("child survived");
             return;
         }
-        let (status, stdout, stderr) =
-            super::super::tests::run_child_at("host::tcache::tests", case);
-        use std::os::unix::process::ExitStatusExt;
-        assert_eq!(status.signal(), Some(libc::SIGABRT), "{stderr}");
-        assert!(
-            stderr.contains("bfc-alloc: fatal: thread cache overfilled (class 3)"),
-            "{stderr}"
+        super::super::tests::assert_child_aborts(
+            "host::tcache::tests",
+            case,
+            "bfc-alloc: fatal: thread cache overfilled (class 3)",
         );
-        assert!(!stdout.contains("survived"));
     }
 
     #[test]
