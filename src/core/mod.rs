@@ -563,9 +563,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
                 None => size = have + next_size,
             }
         }
-        self.stats.bytes_in_use += size - have;
-        self.stats.peak_bytes_in_use = self.stats.peak_bytes_in_use.max(self.stats.bytes_in_use);
-        self.stats.largest_alloc_size = self.stats.largest_alloc_size.max(size);
+        self.note_in_use_grew(size - have, size);
         Ok(Resize::Done { size, freed: None })
     }
 
@@ -816,13 +814,23 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         self.quick_len[g] -= 1;
         self.cached_bytes -= size;
         self.cached_chunks -= 1;
+        self.note_handed_out(size);
+        Allocated { ptr, size }
+    }
+
+    /// Counts a block of `size` bytes handed out by an allocation.
+    fn note_handed_out(&mut self, size: usize) {
         self.in_use_chunks += 1;
+        self.stats.num_allocs += 1;
+        self.note_in_use_grew(size, size);
+    }
+
+    /// Counts `by` more bytes in use, now in a block of `size` bytes.
+    fn note_in_use_grew(&mut self, by: usize, size: usize) {
         let s = &mut self.stats;
-        s.num_allocs += 1;
-        s.bytes_in_use += size;
+        s.bytes_in_use += by;
         s.peak_bytes_in_use = s.peak_bytes_in_use.max(s.bytes_in_use);
         s.largest_alloc_size = s.largest_alloc_size.max(size);
-        Allocated { ptr, size }
     }
 
     /// Chunk records ever used: the prefix of the chunk table the engine has touched. One call
@@ -1004,12 +1012,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         let c = self.table.get_mut(h);
         c.set_in_use(true);
         let (ptr, got) = (c.ptr(), c.size());
-        self.in_use_chunks += 1;
-        let s = &mut self.stats;
-        s.num_allocs += 1;
-        s.bytes_in_use += got;
-        s.peak_bytes_in_use = s.peak_bytes_in_use.max(s.bytes_in_use);
-        s.largest_alloc_size = s.largest_alloc_size.max(got);
+        self.note_handed_out(got);
         Ok(Allocated { ptr, size: got })
     }
 
