@@ -532,6 +532,26 @@ fn a_request_larger_than_an_idle_arena_keeps_the_arena() {
 }
 
 #[test]
+fn a_first_aligned_request_that_fits_the_arena_is_served() {
+    // The arena is aligned to 2 MiB, so the first block needs padding room only for alignment
+    // beyond that. These used to fail on a fresh heap and succeed once the arena existed.
+    for (size, align) in [(16 << 20, 4096), (16 << 20, 2 << 20), (10 << 20, 8 << 20)] {
+        let local = fixed_arena(16 << 20, false);
+        let l = Layout::from_size_align(size, align).unwrap();
+        // SAFETY: a non-zero layout; the block is written within its size and freed once with it.
+        unsafe {
+            let p = local.alloc(l);
+            assert!(!p.is_null(), "{size} B at {align} in a fresh 16 MiB arena");
+            assert_eq!(p as usize % align, 0);
+            p.write_bytes(0xa5, size);
+            assert_eq!(local.stats().bytes_reserved, local.arena_size());
+            local.dealloc(p, l);
+        }
+        local.check().unwrap();
+    }
+}
+
+#[test]
 fn a_freed_small_block_aligned_above_4_kib_coalesces_at_once() {
     // Such a block comes from the engine, not the slabs: freed, it joins its free neighbours at
     // once instead of waiting, uncoalesced, in a cache the host never takes it back from.

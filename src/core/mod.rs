@@ -457,15 +457,18 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         if let Some(h) = self.find(rounded, align, needed, usize::MAX) {
             return self.take(h, rounded, align, bound);
         }
-        let mut result = self.extend(needed, align);
-        if result.is_err() && self.releasing_could_help(needed) && self.release_free_regions() > 0 {
-            result = self.extend(needed, align);
+        // A new region is aligned to `align` up to 2 MiB, so it needs padding room only beyond that.
+        let region_needed = rounded + (align - align.min(REGION_ALIGN_MAX));
+        let mut result = self.extend(region_needed, align);
+        if result.is_err()
+            && self.releasing_could_help(region_needed)
+            && self.release_free_regions() > 0
+        {
+            result = self.extend(region_needed, align);
         }
-        result.map_err(Refusal::Oom)?;
-        match self.find_fit(needed, FAST_SCAN) {
-            Some(h) => self.take(h, rounded, align, bound),
-            None => Err(Refusal::Oom(OomCause::SourceRefused)),
-        }
+        // Nothing older fits (the search above), so the block comes from the new region.
+        let h = result.map_err(Refusal::Oom)?;
+        self.take(h, rounded, align, bound)
     }
 
     /// Frees the block at `ptr`, coalescing with free neighbours.
@@ -1218,7 +1221,9 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     }
 
     /// Obtains a region that can hold `needed` bytes at `align` from the source.
-    fn extend(&mut self, needed: usize, align: usize) -> Result<(), OomCause> {
+    /// Adds a region of at least `needed` bytes aligned to `align` (at most 2 MiB of it), and
+    /// returns its one free chunk.
+    fn extend(&mut self, needed: usize, align: usize) -> Result<ChunkHandle, OomCause> {
         if self.num_regions == MAX_REGIONS {
             return Err(OomCause::RegionTableFull);
         }
@@ -1228,7 +1233,6 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             return Err(OomCause::LimitReached);
         }
         let region_align = align.clamp(granule, REGION_ALIGN_MAX);
-        // The region itself is aligned to at most 2 MiB; bigger alignments need the padding room.
         let min = needed;
         let mut size = if self.config.allow_growth {
             let mut grew = false;
@@ -1259,7 +1263,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         self.add_region(base, size)
     }
 
-    fn add_region(&mut self, base: usize, size: usize) -> Result<(), OomCause> {
+    fn add_region(&mut self, base: usize, size: usize) -> Result<ChunkHandle, OomCause> {
         let block = 1usize << self.block_shift;
         let map_len = size.div_ceil(block);
         let Some(map) = self.source.alloc_map(base, map_len) else {
@@ -1300,7 +1304,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             .stats
             .peak_bytes_reserved
             .max(self.stats.bytes_reserved);
-        Ok(())
+        Ok(h)
     }
 }
 

@@ -330,6 +330,39 @@ fn a_request_that_cannot_fit_keeps_the_free_regions() {
 }
 
 #[test]
+fn a_new_region_needs_padding_room_only_for_alignment_above_2_mib() {
+    // A new region is aligned to the request's alignment up to 2 MiB. A fresh engine without
+    // growth used to demand `size + align - granule` under the limit, and refused these.
+    let mut cfg = Config::device(4 << 20);
+    cfg.allow_growth = false;
+    let mut b = engine(cfg);
+    let p = alloc(&mut b, 4 << 20, 1 << 20);
+    assert_eq!(b.stats().bytes_reserved, 4 << 20);
+    free(&mut b, p);
+
+    let mut cfg = Config::device(8 << 20);
+    cfg.allow_growth = false;
+    let mut b = engine(cfg);
+    // 5 MiB at 4 MiB alignment needs at most 2 MiB of padding in a 2 MiB-aligned region.
+    let p = alloc(&mut b, 5 << 20, 4 << 20);
+    free(&mut b, p);
+
+    // With growth the region is not oversized for the alignment: 1 MiB at 1 MiB takes 1 MiB.
+    let mut cfg = Config::device(64 << 20);
+    cfg.initial_region_size = 1 << 20;
+    let mut b = engine(cfg);
+    let p = alloc(&mut b, 1 << 20, 1 << 20);
+    assert_eq!(b.stats().bytes_reserved, 1 << 20);
+    free(&mut b, p);
+    // And 1 MiB at 4 MiB alignment needs 1 + 4 - 2 MiB: the region size doubles from 1 MiB to 4
+    // MiB, not to 8 MiB (for 5 MiB less a granule).
+    let mut b = engine(cfg);
+    let p = alloc(&mut b, 1 << 20, 4 << 20);
+    assert_eq!(b.stats().bytes_reserved, 4 << 20);
+    free(&mut b, p);
+}
+
+#[test]
 fn no_growth_takes_one_region_of_the_limit() {
     let mut cfg = Config::device(16 << 20);
     cfg.allow_growth = false;
