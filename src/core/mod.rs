@@ -665,16 +665,18 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
                 self.bins
                     .remove(&mut self.table, f, r.size >> self.granule_shift);
                 self.table.free(f);
+                self.stats.bytes_reserved -= r.size;
+                self.regions.copy_within(i + 1..self.num_regions, i);
+                self.num_regions -= 1;
+                released += r.size;
+                // The engine forgets the region before the source is called: a source that panics
+                // (a device back end's free) leaves a consistent engine that no longer has it.
                 // SAFETY: the map and region were obtained from the source with exactly these
                 // parameters, and the region's only chunk is free, so nothing in it is in use.
                 unsafe {
                     self.source.free_map(r.base, r.map, r.map_len);
                     self.source.free_region(r.base, r.size);
                 }
-                self.stats.bytes_reserved -= r.size;
-                self.regions.copy_within(i + 1..self.num_regions, i);
-                self.num_regions -= 1;
-                released += r.size;
             } else {
                 i += 1;
             }

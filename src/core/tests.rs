@@ -362,6 +362,81 @@ fn a_new_region_needs_padding_room_only_for_alignment_above_2_mib() {
     free(&mut b, p);
 }
 
+/// A [`SimSource`] whose `free_region` panics while `panic_on_free` is set, as a device back end's
+/// free may.
+struct PanickyFree {
+    sim: SimSource,
+    panic_on_free: bool,
+}
+
+// SAFETY: every call goes to the simulated source, which keeps the promises; a panic in
+// `free_region` comes before the region is touched and hands out nothing.
+unsafe impl MemorySource for PanickyFree {
+    fn alloc_region(&mut self, size: usize, align: usize) -> Option<usize> {
+        self.sim.alloc_region(size, align)
+    }
+
+    unsafe fn free_region(&mut self, base: usize, size: usize) {
+        assert!(!self.panic_on_free, "the source fails to free");
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.sim.free_region(base, size) }
+    }
+
+    fn alloc_map(
+        &mut self,
+        region_base: usize,
+        entries: usize,
+    ) -> Option<NonNull<Option<ChunkHandle>>> {
+        self.sim.alloc_map(region_base, entries)
+    }
+
+    unsafe fn free_map(
+        &mut self,
+        region_base: usize,
+        map: NonNull<Option<ChunkHandle>>,
+        entries: usize,
+    ) {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.sim.free_map(region_base, map, entries) }
+    }
+}
+
+#[test]
+fn a_source_that_panics_in_free_leaves_a_consistent_engine() {
+    let mut cfg = Config::device(64 << 20);
+    cfg.initial_region_size = 1 << 20;
+    let source = PanickyFree {
+        sim: SimSource::new(BASE, 1 << 36),
+        panic_on_free: false,
+    };
+    let mut b = Bfc::new(cfg, source, vec![Chunk::EMPTY; 64]).unwrap();
+    let a = b.allocate(1 << 20, 1).unwrap();
+    let keep = b.allocate(2 << 20, 1).unwrap();
+    b.deallocate(a).unwrap();
+    b.source_mut().panic_on_free = true;
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| b.release_free_regions()));
+    assert!(r.is_err());
+    b.source_mut().panic_on_free = false;
+    // The engine no longer has the region it was giving back, and says so.
+    b.check().unwrap();
+    assert_eq!(b.stats().num_regions, 1);
+    assert_eq!(b.stats().bytes_reserved, 2 << 20);
+    // Its record is reused without tangling the chunk lists, and no byte is handed out twice.
+    let mut live = vec![(keep, 2 << 20)];
+    for size in [1 << 20, 3 << 20, 256 << 10, 4 << 20] {
+        let p = b.allocate(size, 1).unwrap();
+        assert!(live.iter().all(|&(q, n)| p + size <= q || q + n <= p));
+        live.push((p, size));
+        b.check().unwrap();
+    }
+    for (p, _) in live {
+        b.deallocate(p).unwrap();
+    }
+    b.release_free_regions();
+    b.check().unwrap();
+    assert_eq!(b.stats().bytes_reserved, 0);
+}
+
 #[test]
 fn no_growth_takes_one_region_of_the_limit() {
     let mut cfg = Config::device(16 << 20);
