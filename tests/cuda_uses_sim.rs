@@ -526,6 +526,27 @@ fn a_device_synchronisation_does_not_reach_other_contexts() {
     );
 }
 
+/// The simulator's failed stream wait still waits for another context first, as the CUDA back
+/// end's protocol does: otherwise the pool's device sync (which does not reach that context) would
+/// let the block go to another stream while the use there may run.
+#[test]
+fn a_failed_stream_wait_still_waits_for_another_context() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, 2 * MIB);
+    let addr = buf.device_address();
+    dev.set_context_error(X.context(), true);
+    let used = buf.simulate_use(X); // the guard's wait is skipped
+    dev.set_fail_finish_uses(true);
+    drop(buf);
+    dev.set_fail_finish_uses(false);
+    let again = alloc(&pool, B, 2 * MIB);
+    assert_eq!(again.device_address(), addr, "the block was not reused");
+    assert!(
+        before_next(&dev, (X, used), B),
+        "the block went to B while the use on X may still run"
+    );
+}
+
 /// Waiting for another context leaves the home context's streams alone.
 #[test]
 fn waiting_for_another_context_does_not_complete_the_home_context() {

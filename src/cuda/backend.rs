@@ -61,8 +61,9 @@ impl std::error::Error for BackendError {}
 ///   [`stream_done`](Self::stream_done), [`event_done`](Self::event_done),
 ///   [`event_sync`](Self::event_sync), [`synchronize`](Self::synchronize) and
 ///   [`finish_uses`](Self::finish_uses) report work as finished or ordered only when it is (an
-///   error is always a safe answer), for the uses the back end is told of: uses it cannot see
-///   must be documented as the caller's to order (see [`CudaUses`](super::CudaUses));
+///   error is a safe answer, except that [`UsesError::Unordered`] promises that waiting for the
+///   whole device covers every use left unordered), for the uses the back end is told of: uses it
+///   cannot see must be documented as the caller's to order (see [`CudaUses`](super::CudaUses));
 /// - [`memset_zero`](Self::memset_zero) writes only the range it is given, on the stream it is
 ///   given;
 /// - no method calls back into the pool.

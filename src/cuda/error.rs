@@ -87,9 +87,11 @@ pub struct DeviceOom {
     pub requested: usize,
     /// Bytes in blocks handed out (including blocks freed but still pending on a stream).
     pub in_use: usize,
-    /// Bytes obtained from the driver.
+    /// Bytes in the pool's regions (`allocator.bytes_reserved` of [`DeviceStats`]). A region
+    /// over-allocated for an element type aligned beyond the driver's 256 bytes holds its padding
+    /// from the driver too.
     pub reserved: usize,
-    /// The pool's limit on `reserved`.
+    /// The pool's limit on the bytes it holds from the driver: `reserved` plus any such padding.
     pub limit: usize,
     /// Device memory in total (0 if the driver could not be asked).
     pub device_total: usize,

@@ -628,10 +628,15 @@ unsafe impl DeviceBackend for SimBackend {
     }
 
     fn finish_uses(&mut self, stream: &SimStream, uses: &SimUses) -> Result<(), UsesError> {
-        if self.device.lock().fail_finish_uses {
+        let fail = self.device.lock().fail_finish_uses;
+        uses.protocol.finish(&self.device, stream)?;
+        if fail {
+            // A failed stream wait: the pool must wait for the home context instead. (The protocol
+            // ran first, as the CUDA back end's does up to its failing call: uses in another
+            // context are waited for, or reported as unbounded, before any stream wait.)
             return Err(failed("cuStreamWaitEvent").into());
         }
-        uses.protocol.finish(&self.device, stream)
+        Ok(())
     }
 }
 
