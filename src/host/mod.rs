@@ -7,8 +7,8 @@
 //! both are tried again with half the arena, down to [`HostConfig::min_arena_size`]; below that, a
 //! warning goes to standard error and every allocation fails. Under an address-space limit
 //! (`RLIMIT_AS`, `ulimit -v`) the two reservations take at most half of the address space still
-//! free, so the rest of the process (thread stacks, libraries) keeps room; the arena does not grow
-//! later.
+//! free, so the rest of the process (thread stacks, libraries) keeps room (but for
+//! [`HostConfig::min_arena_size`], which is tried in any case); the arena does not grow later.
 //!
 //! Reserved memory is inaccessible (`PROT_NONE`) until the heap reaches it: the arena is committed
 //! (made readable and writable) from its start in 2 MiB steps as blocks are handed out higher up,
@@ -1390,16 +1390,20 @@ impl Heap {
             size: meta_mapping_size,
         } = meta;
         // SAFETY: the table area lies inside the fresh metadata reservation, is aligned (page-aligned
-        // offset), zero-filled (a valid `[Chunk]`, see `Chunk::EMPTY`), and used by nothing else for
-        // the life of the heap, which never outlives the mapping (unmapped only in `Drop`).
+        // offset), and used by nothing else for the life of the heap, which never outlives the
+        // mapping (unmapped only in `Drop`). Most of it is still inaccessible (`PROT_NONE`): a
+        // record is read or written only once its page is committed (`prepare_records` before the
+        // engine may use more records), and committed pages are zero-filled, a valid `[Chunk]`
+        // (see `Chunk::EMPTY`).
         let table: &'static mut [Chunk] = unsafe {
             core::slice::from_raw_parts_mut(
                 meta_mapping.as_ptr().add(table_at).cast::<Chunk>(),
                 capacity,
             )
         };
-        // SAFETY: as for the table: a zero-filled (a valid `Span`: no object), aligned, exclusively
-        // owned part of the metadata reservation, alive as long as the heap.
+        // SAFETY: as for the table: an aligned, exclusively owned part of the metadata reservation,
+        // alive as long as the heap, whose entries are touched only once committed (in step with
+        // the arena, `commit_arena`) and are then zero-filled (a valid `Span`: no object).
         let spans: &'static mut [small::Span] = unsafe {
             core::slice::from_raw_parts_mut(
                 meta_mapping.as_ptr().add(spans_at).cast::<small::Span>(),
