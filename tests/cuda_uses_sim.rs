@@ -2,7 +2,10 @@
 //! whose streams record what waits for what: every use of a block must be complete, or ordered
 //! before its next owner's work, when the block is handed out again.
 
-use bfc_alloc::cuda::{DeviceBuffer, DevicePool, PoolOptions, SimBackend, SimDevice, SimStream};
+use bfc_alloc::cuda::{
+    DeviceBuffer, DeviceOom, DevicePool, PoolError, PoolOptions, SimBackend, SimDevice, SimStream,
+    GRANULE,
+};
 
 const MIB: usize = 1 << 20;
 
@@ -16,8 +19,13 @@ const C: SimStream = SimStream(3);
 const X: SimStream = SimStream::in_context(1, 7);
 
 fn setup() -> (SimDevice, Pool) {
+    setup_with_limit(256 * MIB)
+}
+
+/// A pool over a 1 GiB simulated device that may take `limit` bytes of it.
+fn setup_with_limit(limit: usize) -> (SimDevice, Pool) {
     let dev = SimDevice::new(1 << 30);
-    let pool = DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(256 * MIB)).unwrap();
+    let pool = DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(limit)).unwrap();
     (dev, pool)
 }
 
@@ -301,6 +309,17 @@ struct Use {
     item: u64,
 }
 
+/// The random tests' generator, from a fixed seed: `next(n)` is in `0..n`.
+fn xorshift(seed: u64) -> impl FnMut(usize) -> usize {
+    let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    move |n| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % n as u64) as usize
+    }
+}
+
 #[test]
 fn random_uses_never_overlap_the_next_owner() {
     let streams = [A, B, C, SimStream(4), X];
@@ -308,13 +327,7 @@ fn random_uses_never_overlap_the_next_owner() {
     let sizes = [256, 4096, 100_000, MIB, 3 * MIB];
     for seed in 1..=200u64 {
         let (dev, pool) = setup();
-        let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        let mut next = move |n: usize| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            (rng % n as u64) as usize
-        };
+        let mut next = xorshift(seed);
         let mut live: Vec<(Buf, Vec<Use>)> = Vec::new();
         // Uses of freed blocks, kept until they complete.
         let mut history: Vec<Use> = Vec::new();
@@ -402,6 +415,375 @@ fn random_uses_never_overlap_the_next_owner() {
         pool.synchronize();
         pool.check().unwrap();
     }
+}
+
+/// An element type aligned beyond the pool's 256-byte granule.
+#[repr(C, align(8192))]
+struct Page([u8; 8192]);
+
+/// A live buffer of bytes or of pages.
+enum Owned {
+    Bytes(Buf),
+    Pages(DeviceBuffer<Page, SimBackend>),
+}
+
+impl Owned {
+    /// Its block: `(address, size)`.
+    fn block(&self) -> (u64, usize) {
+        match self {
+            Owned::Bytes(b) => (b.device_address(), b.block_size()),
+            Owned::Pages(b) => (b.device_address(), b.block_size()),
+        }
+    }
+
+    fn home(&self) -> SimStream {
+        match self {
+            Owned::Bytes(b) => *b.home_stream(),
+            Owned::Pages(b) => *b.home_stream(),
+        }
+    }
+
+    fn simulate_use(&self, stream: SimStream) -> u64 {
+        match self {
+            Owned::Bytes(b) => b.simulate_use(stream),
+            Owned::Pages(b) => b.simulate_use(stream),
+        }
+    }
+
+    fn simulate_launch(&self) -> u64 {
+        match self {
+            Owned::Bytes(b) => b.simulate_launch(),
+            Owned::Pages(b) => b.simulate_launch(),
+        }
+    }
+}
+
+/// A live buffer and the uses of its block so far.
+struct Live {
+    buf: Owned,
+    uses: Vec<Use>,
+}
+
+impl Live {
+    /// Notes item `item` of `stream` as a use of the block.
+    fn used(&mut self, stream: SimStream, item: u64) {
+        let (addr, size) = self.buf.block();
+        self.uses.push(Use {
+            addr,
+            size,
+            stream,
+            item,
+        });
+    }
+}
+
+/// `len` values of `T` on `s`; out of memory is the only error expected.
+fn try_alloc<T>(
+    pool: &Pool,
+    s: SimStream,
+    len: usize,
+    what: &str,
+) -> Result<DeviceBuffer<T, SimBackend>, Box<DeviceOom>> {
+    // SAFETY: simulated memory is never read.
+    match unsafe { pool.alloc::<T>(&s, len) } {
+        Ok(buf) => Ok(buf),
+        Err(PoolError::OutOfMemory(oom)) => Err(oom),
+        Err(e) => panic!("{what}: an allocation failed other than for memory: {e}"),
+    }
+}
+
+/// Checks the report of a request for `requested` bytes at `align` refused for memory: it agrees
+/// with the pool's counters, and no free block could have served the request.
+fn check_oom(pool: &Pool, oom: &DeviceOom, requested: usize, align: usize, what: &str) {
+    let stats = pool.stats();
+    assert_eq!(
+        (oom.in_use, oom.pending_bytes, oom.stranded_bytes),
+        (
+            stats.allocator.bytes_in_use,
+            stats.pending_bytes,
+            stats.stranded_bytes
+        ),
+        "{what}: the report disagrees with the stats: {oom}"
+    );
+    // (A free chunk this large holds an aligned block of the request, its start being a granule
+    // multiple.)
+    let fits = requested.next_multiple_of(GRANULE) + align.max(GRANULE) - GRANULE;
+    assert!(
+        oom.largest_free_block < fits,
+        "{what}: refused while a free block fits: {oom}"
+    );
+}
+
+/// Checks the pool against the live buffers after a step: no two overlap, the engine's invariants
+/// hold, the bytes in use are those of the live, pending and stranded blocks, every allocation is
+/// counted, the stranded bytes are `stranded` (blocks strand only at their free, and never come
+/// back), and the engine rejected no free.
+fn check_pool(pool: &Pool, live: &[Live], allocs: u64, stranded: usize, what: &str) {
+    let mut blocks: Vec<(u64, usize)> = live.iter().map(|l| l.buf.block()).collect();
+    blocks.sort_unstable();
+    for w in blocks.windows(2) {
+        assert!(
+            w[0].0 + w[0].1 as u64 <= w[1].0,
+            "{what}: live blocks {:x?} and {:x?} overlap",
+            w[0],
+            w[1]
+        );
+    }
+    if let Err(e) = pool.check() {
+        panic!("{what}: {e:?}");
+    }
+    let stats = pool.stats();
+    let in_buffers: usize = blocks.iter().map(|b| b.1).sum();
+    assert_eq!(
+        stats.allocator.bytes_in_use,
+        in_buffers + stats.pending_bytes + stats.stranded_bytes,
+        "{what}: bytes in use are not live + pending + stranded: {stats:?}"
+    );
+    assert_eq!(stats.bytes_in_buffers(), in_buffers, "{what}: {stats:?}");
+    assert_eq!(stats.allocator.num_allocs, allocs, "{what}: allocations");
+    assert_eq!(stats.stranded_bytes, stranded, "{what}: stranded bytes");
+    for e in pool.take_errors() {
+        assert!(
+            !matches!(e, PoolError::Free(_)),
+            "{what}: the engine rejected a free: {e}"
+        );
+    }
+}
+
+/// Switches every injected failure off, settling the streams first (as the docs ask before a
+/// context's recorded error is taken out).
+fn no_failures(dev: &SimDevice, streams: &[SimStream]) {
+    for ctx in [0, X.context()] {
+        dev.set_fail_context_sync(ctx, false);
+    }
+    settle(dev, streams);
+    for ctx in [0, X.context()] {
+        dev.set_context_error(ctx, false);
+    }
+    dev.set_fail_use_ordering(false);
+    dev.set_unmanaged_sync(false);
+    dev.set_fail_event_record(false);
+    dev.set_fail_stream_query(false);
+    dev.set_fail_event_queries(false);
+    dev.set_fail_synchronize(false);
+    dev.set_fail_finish_uses(false);
+    dev.set_refuse_above(usize::MAX);
+    dev.set_used_by_others(0);
+}
+
+/// Random allocations (bytes, and pages aligned to 8192), uses on streams of the pool's context
+/// and of another, launches, memsets, frees, trims and synchronisations, while every failure the
+/// simulator can inject is switched on and off at random. After every step: each earlier use of
+/// a block handed out again is done or ordered before its new owner's first work, and
+/// [`check_pool`] holds. At the end, with the failures off, every block goes back, and the pool's
+/// drop leaves the device no memory unless blocks were stranded.
+#[test]
+fn random_uses_under_failing_driver_calls_keep_the_pool_consistent() {
+    let home_context = [A, B, C, SimStream(4)];
+    let streams = [A, B, C, SimStream(4), X];
+    let sizes = [256, 4096, 100_000, MIB, 3 * MIB, 7 * MIB];
+    // Across all seeds: allocations refused, blocks handed out while an earlier use of them may
+    // still run, and seeds that stranded blocks or not.
+    let (mut ooms, mut contested, mut stranding_seeds) = (0, 0, 0);
+    // (About half a second in the test profile.)
+    const SEEDS: u64 = 200;
+    const STEPS: usize = 600;
+    for seed in 1..=SEEDS {
+        let (dev, pool) = setup_with_limit(64 * MIB);
+        let mut next = xorshift(seed);
+        let mut live: Vec<Live> = Vec::new();
+        // Uses of freed blocks, kept until they complete.
+        let mut history: Vec<Use> = Vec::new();
+        // Which contexts hold a recorded error: [the pool's, X's].
+        let mut errors = [false, false];
+        let (mut allocs, mut stranded) = (0, 0);
+        for step in 0..STEPS {
+            let what = format!("seed {seed} step {step}");
+            match next(16) {
+                0..=3 if live.len() < 24 => {
+                    let home = home_context[next(4)];
+                    let (got, requested, align) = if next(4) == 0 {
+                        let len = 1 + next(3);
+                        let got = try_alloc::<Page>(&pool, home, len, &what).map(Owned::Pages);
+                        (got, len * size_of::<Page>(), align_of::<Page>())
+                    } else {
+                        let bytes = sizes[next(sizes.len())];
+                        let got = try_alloc::<u8>(&pool, home, bytes, &what).map(Owned::Bytes);
+                        (got, bytes, 1)
+                    };
+                    match got {
+                        Err(oom) => {
+                            ooms += 1;
+                            check_oom(&pool, &oom, requested, align, &what);
+                        }
+                        Ok(buf) => {
+                            allocs += 1;
+                            let (addr, size) = buf.block();
+                            assert_eq!(addr % align as u64, 0, "{what}: misaligned");
+                            assert!(size >= requested, "{what}: a block too small");
+                            history.retain(|u| dev.completed(u.stream) < u.item);
+                            let overlaps = |u: &Use| {
+                                u.addr < addr + size as u64 && addr < u.addr + u.size as u64
+                            };
+                            if history.iter().any(overlaps) {
+                                contested += 1;
+                            }
+                            // The new owner's first work: a kernel writing the buffer.
+                            let first = dev.enqueue(home);
+                            let new_block = format!("{what}, a new block");
+                            let owner = (home, first);
+                            check_after_history(&dev, &history, (addr, size), owner, &new_block);
+                            let mut l = Live {
+                                buf,
+                                uses: Vec::new(),
+                            };
+                            l.used(home, first);
+                            live.push(l);
+                        }
+                    }
+                }
+                4..=6 if !live.is_empty() => {
+                    let i = next(live.len());
+                    let l = &mut live[i];
+                    let used = match &l.buf {
+                        // Sometimes two uses at once (two threads sharing the buffer).
+                        Owned::Bytes(b) if next(8) == 0 => {
+                            let (overlap, b_ends_first) = OVERLAPS[next(OVERLAPS.len())];
+                            let (on_b, on_c) = uses_on_b_and_c(b, overlap, b_ends_first);
+                            vec![(B, on_b), (C, on_c)]
+                        }
+                        buf => {
+                            let stream = streams[next(streams.len())];
+                            vec![(stream, buf.simulate_use(stream))]
+                        }
+                    };
+                    let a_use = format!("{what}, a use");
+                    for (stream, item) in used {
+                        check_after_history(&dev, &history, l.buf.block(), (stream, item), &a_use);
+                        l.used(stream, item);
+                    }
+                }
+                7 if !live.is_empty() => {
+                    let i = next(live.len());
+                    let l = &mut live[i];
+                    let home = l.buf.home();
+                    let queued = dev.queued(home);
+                    let item = match &mut l.buf {
+                        Owned::Bytes(b) if next(2) == 0 => match b.zero() {
+                            Ok(()) => Some(dev.queued(home)),
+                            Err(_) => None,
+                        },
+                        buf => Some(buf.simulate_launch()),
+                    };
+                    if let Some(item) = item {
+                        let home_work = format!("{what}, work on the home stream");
+                        check_after_history(
+                            &dev,
+                            &history,
+                            l.buf.block(),
+                            (home, item),
+                            &home_work,
+                        );
+                        l.used(home, item);
+                    } else {
+                        assert_eq!(
+                            dev.queued(home),
+                            queued,
+                            "{what}: a failed memset queued work"
+                        );
+                    }
+                }
+                8..=10 if !live.is_empty() => {
+                    let l = live.swap_remove(next(live.len()));
+                    let size = l.buf.block().1;
+                    drop(l.buf);
+                    history.extend(l.uses);
+                    let now = pool.stats().stranded_bytes;
+                    assert!(
+                        now == stranded || now == stranded + size,
+                        "{what}: a free stranded {} B, not its block's {size}",
+                        now - stranded
+                    );
+                    stranded = now;
+                }
+                11 => {
+                    let s = streams[next(streams.len())];
+                    let to = dev.completed(s) + 1 + next(4) as u64;
+                    dev.complete_to(s, to);
+                }
+                12 | 13 => {
+                    let on = next(3) == 0;
+                    match next(12) {
+                        0 => dev.set_fail_use_ordering(on),
+                        1 => dev.set_unmanaged_sync(on),
+                        2 => dev.set_fail_event_record(on),
+                        3 => dev.set_fail_stream_query(on),
+                        4 => dev.set_fail_event_queries(on),
+                        // (Rarely: with these, a free may strand its block for good.)
+                        5 => dev.set_fail_synchronize(on && next(4) == 0),
+                        6 => dev.set_fail_finish_uses(on),
+                        7 => dev.set_fail_context_sync(next(2) as u32, on && next(4) == 0),
+                        8 => dev.set_refuse_above(if on { MIB } else { usize::MAX }),
+                        9 => dev.set_used_by_others(if on { (1 << 30) - 40 * MIB } else { 0 }),
+                        k => {
+                            let (i, ctx, streams) = if k == 10 {
+                                (1, X.context(), &[X][..])
+                            } else {
+                                (0, 0, &home_context[..])
+                            };
+                            if errors[i] && !on {
+                                settle(&dev, streams);
+                            }
+                            errors[i] = on;
+                            dev.set_context_error(ctx, on);
+                        }
+                    }
+                }
+                14 => {
+                    let before = dev.bytes_live();
+                    let released = pool.trim();
+                    assert!(
+                        dev.bytes_live() + released <= before,
+                        "{what}: trim released {released} B the device still holds"
+                    );
+                }
+                15 => {
+                    pool.synchronize();
+                }
+                _ => {}
+            }
+            check_pool(&pool, &live, allocs, stranded, &what);
+        }
+        // With the failures off, every block but the stranded ones must come back.
+        no_failures(&dev, &streams);
+        drop(live);
+        dev.complete_all();
+        pool.synchronize();
+        let what = format!("seed {seed} at the end");
+        check_pool(&pool, &[], allocs, stranded, &what);
+        let stats = pool.stats();
+        assert_eq!(
+            stats.allocator.bytes_in_use, stats.stranded_bytes,
+            "{what}: blocks still pending: {stats:?}"
+        );
+        drop(pool);
+        if stats.stranded_bytes == 0 {
+            assert_eq!(dev.bytes_live(), 0, "{what}: the device still holds memory");
+        } else {
+            stranding_seeds += 1;
+            assert!(dev.bytes_live() >= stats.stranded_bytes, "{what}");
+        }
+    }
+    // The failures the test is for happened: otherwise it checks less than it claims.
+    assert!(ooms > 0, "no allocation was refused");
+    assert!(
+        contested > 0,
+        "no block was handed out while an earlier use could run"
+    );
+    assert!(
+        (1..SEEDS).contains(&stranding_seeds),
+        "all or no seeds stranded blocks"
+    );
 }
 
 // ---- The protocol's edge cases, and the simulator kept no stronger than CUDA (each kills a mutant) ----
@@ -544,6 +926,50 @@ fn a_failed_stream_wait_still_waits_for_another_context() {
     assert!(
         before_next(&dev, (X, used), B),
         "the block went to B while the use on X may still run"
+    );
+}
+
+/// A failed stream wait at the free of a buffer used on another stream of its context: the wait
+/// is not queued (as in CUDA, the protocol stops at the failing call), and the pool falls back to
+/// waiting for the device before the block goes to another stream.
+#[test]
+fn a_failed_stream_wait_for_a_same_context_use_falls_back_to_the_device() {
+    // The simulator queues nothing for the failed wait: with the device wait failing too, the
+    // home stream is not ordered after the use.
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, 2 * MIB);
+    let used = buf.simulate_use(B);
+    let marks = dev.recorded(A);
+    dev.set_fail_finish_uses(true);
+    dev.set_fail_synchronize(true);
+    drop(buf);
+    dev.set_fail_finish_uses(false);
+    dev.set_fail_synchronize(false);
+    assert_eq!(
+        dev.recorded(A),
+        marks,
+        "a mark was recorded after the failed wait"
+    );
+    assert!(
+        !before_next(&dev, (B, used), A),
+        "the failed stream wait was queued"
+    );
+    assert_eq!(pool.take_errors().len(), 2);
+
+    // The pool's fallback: the device wait orders the block's reuse on another stream.
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, 2 * MIB);
+    let addr = buf.device_address();
+    let used = buf.simulate_use(B);
+    dev.set_fail_finish_uses(true);
+    drop(buf);
+    dev.set_fail_finish_uses(false);
+    assert_eq!(dev.device_syncs(), 1);
+    let again = alloc(&pool, C, 2 * MIB);
+    assert_eq!(again.device_address(), addr, "the block was not reused");
+    assert!(
+        before_next(&dev, (B, used), C),
+        "the block went to C while the use on B may still run"
     );
 }
 

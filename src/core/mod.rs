@@ -1222,7 +1222,6 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         FreeError::NotOwned { ptr }
     }
 
-    /// Obtains a region that can hold `needed` bytes at `align` from the source.
     /// Adds a region of at least `needed` bytes aligned to `align` (at most 2 MiB of it), and
     /// returns its one free chunk.
     fn extend(&mut self, needed: usize, align: usize) -> Result<ChunkHandle, OomCause> {

@@ -85,6 +85,8 @@ struct SimState {
     fail_event_record: bool,
     fail_stream_query: bool,
     fail_finish_uses: bool,
+    /// Set while `finish_uses` runs with `fail_finish_uses`: the protocol's stream waits fail.
+    failing_finish: bool,
     fail_synchronize: bool,
     /// Events of the use protocol, by handle: their latest record `(stream, item)`, if any.
     use_events: Vec<Option<(u64, u64)>>,
@@ -266,6 +268,7 @@ impl SimDevice {
                 fail_event_record: false,
                 fail_stream_query: false,
                 fail_finish_uses: false,
+                failing_finish: false,
                 fail_synchronize: false,
                 // (Room, as for a stream's waits.)
                 use_events: Vec::with_capacity(256),
@@ -628,12 +631,19 @@ unsafe impl DeviceBackend for SimBackend {
     }
 
     fn finish_uses(&mut self, stream: &SimStream, uses: &SimUses) -> Result<(), UsesError> {
-        let fail = self.device.lock().fail_finish_uses;
-        uses.protocol.finish(&self.device, stream)?;
+        let fail = {
+            let mut st = self.device.lock();
+            st.failing_finish = st.fail_finish_uses;
+            st.fail_finish_uses
+        };
+        // The protocol runs as the CUDA back end's does, up to its first stream wait, which fails
+        // (nothing is waited for, no mark is recorded): uses in another context are waited for, or
+        // reported as unbounded, before any stream wait.
+        let r = uses.protocol.finish(&self.device, stream);
+        self.device.lock().failing_finish = false;
+        r?;
         if fail {
-            // A failed stream wait: the pool must wait for the home context instead. (The protocol
-            // ran first, as the CUDA back end's does up to its failing call: uses in another
-            // context are waited for, or reported as unbounded, before any stream wait.)
+            // No stream wait was needed: the failure is reported anyway (the switch's contract).
             return Err(failed("cuStreamWaitEvent").into());
         }
         Ok(())
@@ -684,7 +694,7 @@ impl UseOps for SimDevice {
 
     fn wait(&self, stream: &SimStream, event: &SimUseEvent) -> Result<(), BackendError> {
         let mut st = self.lock();
-        if st.fail_use_ordering {
+        if st.fail_use_ordering || st.failing_finish {
             return Err(failed("cuStreamWaitEvent"));
         }
         // Waiting for an event never recorded waits for nothing, as in CUDA.
