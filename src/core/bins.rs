@@ -200,4 +200,27 @@ mod tests {
             assert!((hi - lo) * 16 <= lo, "bin {b}: [{lo}, {hi})");
         }
     }
+
+    /// (Here, not with the engine's tests: it corrupts the bitmaps, private to this module.)
+    #[test]
+    #[cfg(feature = "std")]
+    fn the_engine_checker_sees_bitmaps_that_disagree_with_the_bins() {
+        extern crate std;
+        use crate::core::{sim::SimSource, Bfc, Chunk, Config};
+        let mut b: Bfc<SimSource, std::vec::Vec<Chunk>> = Bfc::new(
+            Config::host(1 << 30),
+            SimSource::new(1 << 40, 1 << 36),
+            std::vec![Chunk::EMPTY; 64],
+        )
+        .unwrap();
+        b.allocate(64, 16).unwrap();
+        assert_eq!(b.check(), Ok(()));
+        // Mark an empty bin non-empty.
+        assert!(b.bins.heads[1].is_none());
+        b.bins.bin_map[0] |= 1 << 1;
+        assert_eq!(
+            b.check().unwrap_err().what,
+            "bin bitmaps disagree with the bins"
+        );
+    }
 }

@@ -1219,3 +1219,159 @@ fn free_chunks_near_the_end_of_the_address_space_do_not_overflow_an_aligned_sear
     ));
     checked(&b);
 }
+
+// ---- Tests written to kill surviving mutants (a second mutation-testing pass) ----
+
+#[test]
+fn fit_scan_stops_at_the_first_fitting_chunk_once_it_has_looked_far_enough() {
+    // Device settings: 256-byte granule, no split below 2x. 65 and 67 granules share the class of
+    // a 64-granule request. With `fit_scan` 1 the head of the class (the last freed, 67 granules)
+    // is taken although a tighter fit lies behind it.
+    let mut config = Config::device(1 << 30);
+    config.fit_scan = 1;
+    let mut b = engine(config);
+    let g = 256;
+    let tight = alloc(&mut b, 65 * g, 1);
+    alloc(&mut b, g, 1);
+    let loose = alloc(&mut b, 67 * g, 1);
+    alloc(&mut b, g, 1);
+    free(&mut b, tight);
+    free(&mut b, loose);
+    assert_eq!(alloc(&mut b, 64 * g, 1), loose);
+    assert_eq!(b.usable_size(loose), Ok(67 * g));
+    // With the default `fit_scan` the tighter one is found.
+    let mut b = engine(Config::device(1 << 30));
+    let tight = alloc(&mut b, 65 * g, 1);
+    alloc(&mut b, g, 1);
+    let loose = alloc(&mut b, 67 * g, 1);
+    alloc(&mut b, g, 1);
+    free(&mut b, tight);
+    free(&mut b, loose);
+    assert_eq!(alloc(&mut b, 64 * g, 1), tight);
+}
+
+#[test]
+fn equally_good_fits_go_to_the_lowest_address() {
+    // Two 66-granule holes in the class of a 64-granule request; the higher one, freed last, heads
+    // the list. The documented tie-break is the lowest address.
+    let mut b = engine(Config::device(1 << 30));
+    let g = 256;
+    let low = alloc(&mut b, 66 * g, 1);
+    alloc(&mut b, g, 1);
+    let high = alloc(&mut b, 66 * g, 1);
+    alloc(&mut b, g, 1);
+    free(&mut b, low);
+    free(&mut b, high);
+    assert_eq!(alloc(&mut b, 64 * g, 1), low);
+}
+
+#[test]
+fn for_each_free_chunk_includes_chunks_of_exactly_the_minimum_size() {
+    let mut b = engine(without_quick_lists(Config::host(1 << 20)));
+    let p = alloc(&mut b, 256, 16);
+    alloc(&mut b, 16, 16);
+    let q = alloc(&mut b, 128, 16);
+    alloc(&mut b, 16, 16);
+    free(&mut b, p);
+    free(&mut b, q);
+    let mut seen = Vec::new();
+    b.for_each_free_chunk(256, |ptr, size| seen.push((ptr, size)));
+    assert!(seen.contains(&(p, 256)), "{seen:?}");
+    assert!(!seen.iter().any(|&(ptr, _)| ptr == q), "{seen:?}");
+}
+
+#[test]
+fn the_checker_sees_a_chunk_in_another_sizes_bin() {
+    let mut b = engine(without_quick_lists(Config::host(1 << 30)));
+    let y = alloc(&mut b, 64, 16);
+    alloc(&mut b, 16, 16);
+    let x = alloc(&mut b, 128, 16);
+    alloc(&mut b, 16, 16);
+    let (hy, hx) = (b.lookup_in_use(y).unwrap(), b.lookup_in_use(x).unwrap());
+    // (Both neighbours of each are in use: the handles survive the frees.)
+    free(&mut b, y);
+    free(&mut b, x);
+    // Move `x` (8 granules) behind `y` in the 4-granule bin, keeping every link consistent.
+    b.bins.remove(&mut b.table, hx, 8);
+    b.table.get_mut(hy).free_next = Some(hx);
+    b.table.get_mut(hx).free_prev = Some(hy);
+    assert_eq!(b.check().unwrap_err().what, "chunk in the wrong bin");
+}
+
+#[test]
+fn the_checker_sees_reserved_bytes_that_disagree_with_the_regions() {
+    let mut b = engine(Config::host(1 << 30));
+    alloc(&mut b, 64, 16);
+    b.stats.bytes_reserved -= 16;
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "bytes_reserved disagrees with the regions"
+    );
+}
+
+#[test]
+fn the_checker_sees_a_quick_list_length_that_disagrees() {
+    let mut b = engine(Config::host(1 << 30));
+    let p = alloc(&mut b, 48, 16);
+    let _g = alloc(&mut b, 48, 16);
+    free(&mut b, p);
+    b.quick_len[3] += 1;
+    assert_eq!(b.check().unwrap_err().what, "quick list length disagrees");
+}
+
+#[test]
+fn the_tail_split_off_a_clean_chunk_stays_clean() {
+    let mut b = engine(without_quick_lists(Config::host(1 << 20)));
+    let p = alloc(&mut b, 64 << 10, 16);
+    alloc(&mut b, 16, 16);
+    free(&mut b, p);
+    assert!(swept(&mut b, 4096, false).contains(&(p, 64 << 10)));
+    assert!(swept(&mut b, 4096, false).is_empty());
+    // The block comes from the front of the clean chunk; the rest stays clean.
+    assert_eq!(alloc(&mut b, 4096, 16), p);
+    assert_eq!(swept(&mut b, 4096, false), vec![]);
+}
+
+#[test]
+fn grown_end_is_none_for_a_resize_to_the_current_size() {
+    let mut b = engine(without_quick_lists(Config::host(1 << 20)));
+    let p = alloc(&mut b, 256, 16);
+    // The free top follows `p`.
+    assert_eq!(b.grown_end(p, 256), None);
+    assert_eq!(b.grown_end(p, 250), None);
+    assert_eq!(b.grown_end(p, 257), Some(p + 272));
+}
+
+#[test]
+fn a_zero_fit_scan_is_refused() {
+    let mut config = Config::host(1 << 20);
+    config.fit_scan = 0;
+    assert_eq!(config.validate(), Err("fit_scan must be at least 1"));
+}
+
+#[test]
+fn an_oom_report_sums_the_free_chunks_by_size() {
+    let mut b = engine(without_quick_lists(Config::host(1 << 20)));
+    let p = alloc(&mut b, 4096, 16);
+    alloc(&mut b, 16, 16);
+    free(&mut b, p);
+    let Err(AllocError::OutOfMemory(r)) = b.allocate_block(2 << 20, 16) else {
+        panic!("a request above the limit fitted");
+    };
+    let (mut n, mut bytes) = (0, 0);
+    b.for_each_free_chunk(0, |_, s| {
+        n += 1;
+        bytes += s;
+    });
+    let count: u32 = r.free_by_size.iter().map(|e| e.count).sum();
+    let total: usize = r.free_by_size.iter().map(|e| e.bytes).sum();
+    assert_eq!((count as usize, total), (n, bytes));
+    assert!(total > 4096);
+}
+
+#[test]
+fn a_limit_that_is_not_a_granule_multiple_gives_a_region_of_whole_granules() {
+    let mut b = engine(Config::host((1 << 20) + 8));
+    alloc(&mut b, 16, 16);
+    assert_eq!(b.stats().bytes_reserved, 1 << 20);
+}

@@ -3719,4 +3719,227 @@ mod tests {
         assert!(status.success(), "{status:?}: {stderr}");
         assert!(stdout.contains("child done"), "{stdout}");
     }
+
+    // ---- Tests written to kill surviving mutants (a mutation-testing pass over the host heap) ----
+
+    /// A free that leaves a merged chunk of exactly `release_threshold` bytes is subject to the
+    /// give-back policy: it raises the retained amount and counts as dirty.
+    #[test]
+    fn a_free_of_exactly_the_threshold_counts_toward_the_policy() {
+        let a = big_instance();
+        let mb = 1 << 20;
+        let l = Layout::from_size_align(mb, 4096).unwrap();
+        let guard = Layout::from_size_align(64 << 10, 4096).unwrap();
+        // SAFETY: non-zero sizes.
+        let (g0, x, g1) = unsafe { (a.alloc(guard), a.alloc(l), a.alloc(guard)) };
+        assert_eq!(x as usize, g0 as usize + (64 << 10));
+        assert_eq!(g1 as usize, x as usize + mb);
+        assert_eq!(a.usable_size(x), Some(mb));
+        let (retain, dirty) = a.with_heap(|h| (h.retain, h.dirty)).unwrap();
+        // SAFETY: from `a.alloc`, freed once.
+        unsafe { a.dealloc(x, l) };
+        assert_eq!(
+            a.with_heap(|h| (h.retain, h.dirty)).unwrap(),
+            (retain.max(2 * mb), dirty + mb)
+        );
+        // SAFETY: from `a.alloc`, freed once.
+        unsafe {
+            a.dealloc(g0, guard);
+            a.dealloc(g1, guard);
+        }
+        assert_eq!(a.check(), Ok(()));
+    }
+
+    /// The free top is trimmed only once more than twice the retained amount is touched above its
+    /// start (hysteresis), and then down to the retained amount.
+    #[test]
+    fn the_free_top_is_trimmed_with_hysteresis() {
+        let a = big_instance();
+        let kb = 1 << 10;
+        let l = Layout::from_size_align(512 * kb, 4096).unwrap();
+        // SAFETY: a non-zero size.
+        let b: std::vec::Vec<*mut u8> = (0..5).map(|_| unsafe { a.alloc(l) }).collect();
+        for i in 1..5 {
+            assert_eq!(b[i] as usize, b[i - 1] as usize + 512 * kb);
+        }
+        let top = b[4] as usize + 512 * kb;
+        assert_eq!(brk(&a), top);
+        assert_eq!(a.with_heap(|h| h.retain).unwrap(), 1 << 20);
+        // SAFETY: from `a.alloc(l)`, each freed once.
+        unsafe {
+            a.dealloc(b[4], l);
+            a.dealloc(b[3], l);
+            // 1.5 MiB touched above the free top's start: more than the retained 1 MiB, less than
+            // twice it: kept.
+            a.dealloc(b[2], l);
+        }
+        assert_eq!(brk(&a), top, "trimmed without hysteresis");
+        // SAFETY: as above.
+        unsafe { a.dealloc(b[1], l) };
+        // 2 MiB touched: trimmed to the retained 1 MiB.
+        assert_eq!(brk(&a), b[1] as usize + (1 << 20));
+        // SAFETY: as above.
+        unsafe { a.dealloc(b[0], l) };
+        assert_eq!(a.check(), Ok(()));
+    }
+
+    /// With much memory in use, interior frees start a sweep only after four times the bytes in
+    /// use were freed, not after 16 thresholds.
+    #[test]
+    fn sweeps_wait_longer_when_much_memory_is_in_use() {
+        let a = big_instance();
+        let mb = 1 << 20;
+        let l = Layout::from_size_align(mb, 4096).unwrap();
+        // SAFETY: a non-zero size.
+        let ps: std::vec::Vec<*mut u8> = (0..48).map(|_| unsafe { a.alloc(l) }).collect();
+        assert!(ps.iter().all(|p| !p.is_null()));
+        for i in (0..40).step_by(2) {
+            // SAFETY: from `a.alloc(l)`, freed once.
+            unsafe { a.dealloc(ps[i], l) };
+        }
+        // 20 MiB freed (past 16 thresholds) with 28 MiB or more in use: no sweep yet.
+        assert_eq!(a.with_heap(|h| h.dirty).unwrap(), 20 * mb);
+        for i in (1..40).step_by(2).chain(40..48) {
+            // SAFETY: as above.
+            unsafe { a.dealloc(ps[i], l) };
+        }
+        assert_eq!(a.check(), Ok(()));
+    }
+
+    /// A huge interior block whose pages went back at once is not counted as dirty.
+    #[test]
+    #[cfg_attr(miri, ignore = "a 64 MiB block in a 512 MiB arena")]
+    fn a_huge_interior_block_given_back_at_once_is_not_dirty() {
+        let a = big_instance();
+        let huge = Layout::from_size_align(MAX_RETAIN + 100, 8).unwrap();
+        let (p, _, n) = block_beside_a_neighbour(&a, huge);
+        let dirty = a.with_heap(|h| h.dirty).unwrap();
+        // SAFETY: `p` came from `a.alloc(huge)`.
+        unsafe { a.dealloc(p, huge) };
+        assert_eq!(a.with_heap(|h| h.dirty).unwrap(), dirty);
+        // SAFETY: `n` came from `a.alloc`.
+        unsafe { a.dealloc(n, neighbour()) };
+        assert_eq!(a.check(), Ok(()));
+    }
+
+    /// The checker sees a block twice on the calling thread's cache.
+    #[test]
+    fn the_checker_sees_a_thread_cache_holding_a_block_twice() {
+        std::thread::spawn(|| {
+            let a = small_instance();
+            let l = Layout::from_size_align(64, 8).unwrap();
+            // SAFETY: a valid layout; the blocks are freed once with it.
+            let (p, q) = unsafe { (a.alloc(l), a.alloc(l)) };
+            assert!(!p.is_null() && !q.is_null());
+            // SAFETY: as above.
+            unsafe { a.dealloc(q, l) };
+            a.flush_thread_cache();
+            a.check().unwrap();
+            let c = small::class_for(64, 8).unwrap();
+            tcache::with(|tc| {
+                tc.fill(c, p as usize);
+                tc.fill(c, p as usize);
+            })
+            .unwrap();
+            assert_eq!(
+                a.check().unwrap_err().what,
+                "thread cache stack overfull or holding a block twice"
+            );
+            tcache::with(|tc| {
+                tc.pop(c);
+                tc.pop(c);
+            })
+            .unwrap();
+            a.check().unwrap();
+            // SAFETY: as above.
+            unsafe { a.dealloc(p, l) };
+        })
+        .join()
+        .unwrap();
+    }
+
+    /// `brk` (the end of touched memory, above which `alloc_zeroed` trusts pages to read as zero)
+    /// stays where it is when the kernel refuses to discard the free top's pages.
+    #[test]
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    #[cfg_attr(miri, ignore = "Miri has no mlock")]
+    fn a_refused_discard_of_the_free_top_keeps_brk() {
+        let a = small_instance();
+        let size = 256 << 10;
+        let l = Layout::from_size_align(size, 4096).unwrap();
+        // SAFETY: a non-zero size.
+        let p = unsafe { a.alloc(l) };
+        assert!(!p.is_null());
+        // SAFETY: `p` holds `size` bytes; it came from `a.alloc(l)`, freed once.
+        unsafe {
+            p.write_bytes(0xa5, size);
+            a.dealloc(p, l);
+        }
+        // Below the retained amount: the free top keeps its pages.
+        let before = brk(&a);
+        assert!(before >= p as usize + size);
+        let page = os::page_size();
+        // A locked page makes MADV_DONTNEED refuse the whole range.
+        // SAFETY: `p..p + page` is mapped, committed memory of the arena.
+        if unsafe { libc::mlock(p.cast(), page) } != 0 {
+            std::eprintln!(
+                "skipped: mlock of one page failed ({}); RLIMIT_MEMLOCK too low?",
+                std::io::Error::last_os_error()
+            );
+            return;
+        }
+        let released = a.release_free_memory();
+        let after = brk(&a);
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::munlock(p.cast(), page) }, 0, "munlock");
+        assert_eq!(
+            after, before,
+            "brk moved down over pages that were not discarded"
+        );
+        assert!(
+            released < size,
+            "pages the kernel kept counted as released: {released}"
+        );
+        // SAFETY: a non-zero size.
+        let z = unsafe { a.alloc_zeroed(l) };
+        assert_eq!(z, p);
+        // SAFETY: `z` holds `size` bytes.
+        let zeroed = unsafe { filled_with(z, size, 0) };
+        assert!(zeroed, "alloc_zeroed returned stale bytes");
+        // SAFETY: from `a.alloc_zeroed(l)`.
+        unsafe { a.dealloc(z, l) };
+        assert_eq!(a.check(), Ok(()));
+    }
+
+    /// A small block resized within its size class stays where it is, with or without a thread
+    /// cache (without one, the step under the lock decides).
+    #[test]
+    fn a_small_realloc_within_its_class_stays_in_place() {
+        for thread_cache in [true, false] {
+            let a = GlobalBfc::with_config(HostConfig {
+                arena_size: 64 << 20,
+                min_arena_size: 64 << 20,
+                chunk_capacity: 1 << 12,
+                thread_cache,
+                ..HostConfig::DEFAULT
+            });
+            small_realloc_stays_in_place(&a);
+        }
+    }
+
+    fn small_realloc_stays_in_place(a: &GlobalBfc) {
+        let l = Layout::from_size_align(40, 8).unwrap();
+        let c = small::class_for(40, 8).unwrap();
+        let new_size = small::class_size(c);
+        assert!(new_size > 40);
+        // SAFETY: a non-zero size.
+        let p = unsafe { a.alloc(l) };
+        assert!(!p.is_null());
+        // SAFETY: `p` came from `a.alloc(l)`.
+        let q = unsafe { a.realloc(p, l, new_size) };
+        assert_eq!(q, p);
+        // SAFETY: `q` is live with this layout.
+        unsafe { a.dealloc(q, Layout::from_size_align(new_size, 8).unwrap()) };
+        assert_eq!(a.check(), Ok(()));
+    }
 }

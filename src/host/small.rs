@@ -388,9 +388,8 @@ pub(crate) struct SmallHeap {
     /// Bytes of live small objects (class sizes) and their number.
     pub(crate) bytes: usize,
     pub(crate) objects: usize,
-    /// Spans held (each `SPAN` bytes of the engine's in-use bytes), and their high-water mark.
+    /// Spans held (each `SPAN` bytes of the engine's in-use bytes).
     pub(crate) spans_live: usize,
-    pub(crate) spans_peak: usize,
     /// Allocations served.
     pub(crate) allocs: u64,
 }
@@ -422,7 +421,6 @@ impl SmallHeap {
             bytes: 0,
             objects: 0,
             spans_live: 0,
-            spans_peak: 0,
             allocs: 0,
         }
     }
@@ -575,7 +573,6 @@ impl SmallHeap {
         self.sets.insert(c, i);
         self.current[c] = i as u32 + 1;
         self.spans_live += 1;
-        self.spans_peak = self.spans_peak.max(self.spans_live);
     }
 
     /// The span containing `ptr`, if `ptr` is in the arena and the window is a span.
@@ -1512,5 +1509,26 @@ mod tests {
             h.check(base(6)),
             Err("an empty span other than the current one is held")
         );
+    }
+
+    #[test]
+    fn check_catches_a_span_set_reaching_past_the_high_water_mark() {
+        let c = class_for(100, 8).unwrap();
+        let mut h = heap(8);
+        let p = alloc(&mut h, c, 4);
+        h.check(base(5)).unwrap();
+        // The class's set (and current span) moved to a window past the high-water mark.
+        h.sets.remove(c, 4);
+        h.sets.insert(c, 6);
+        h.current[c] = 7;
+        assert_eq!(
+            h.check(base(5)),
+            Err("span set holds a span beyond the arena's high-water mark")
+        );
+        h.sets.remove(c, 6);
+        h.sets.insert(c, 4);
+        h.current[c] = 5;
+        h.check(base(5)).unwrap();
+        assert!(matches!(h.free(p), SmallFree::Freed(None)));
     }
 }
