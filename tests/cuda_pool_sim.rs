@@ -1844,3 +1844,180 @@ fn a_chunk_capacity_beyond_what_the_engine_can_index_is_an_error() {
         "nothing asked of the driver"
     );
 }
+
+// ---- Tests written to kill surviving mutants (a second mutation-testing pass over the pool) ----
+
+/// Same-stream reuse honours the engine's internal-fragmentation bound, not only its split ratio: a
+/// block that leaves 128 MiB unused (but is less than twice the request) would be split by the
+/// engine, so it is not handed out whole; the miss returns it and the engine splits it.
+#[test]
+fn same_stream_reuse_refuses_a_block_that_wastes_the_fragmentation_bound() {
+    let dev = SimDevice::new(4 * GIB);
+    let p = pool(&dev, PoolOptions::with_limit(GIB));
+    drop(alloc(&p, A, 328 * MIB).unwrap());
+    let b = alloc(&p, A, 200 * MIB).unwrap();
+    assert_eq!(
+        b.block_size(),
+        200 * MIB,
+        "a block 128 MiB too large handed out whole"
+    );
+    p.check().unwrap();
+}
+
+/// One poll drops every queue an allocation emptied, not only when the last queue is the empty one.
+#[test]
+fn a_poll_drops_an_emptied_queue_before_a_busy_one() {
+    let dev = SimDevice::new(GIB);
+    let p = DevicePool::with_backend(
+        CountingBackend(dev.backend()),
+        PoolOptions::with_limit(64 * MIB),
+    )
+    .unwrap();
+    let a = Counted(A, Arc::new(()));
+    let b = Counted(B, Arc::new(()));
+    let handles = || Arc::strong_count(&a.1) - 1;
+    // SAFETY: simulated memory is never read.
+    drop(unsafe { p.alloc::<u8>(&a, MIB) }.unwrap());
+    // SAFETY: as above.
+    let on_b = unsafe { p.alloc::<u8>(&b, MIB) }.unwrap();
+    dev.enqueue(B);
+    // B's queue comes after A's, and B stays busy.
+    drop(on_b);
+    // SAFETY: as above.
+    let y = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
+    assert_eq!(handles(), 2, "the buffer's and the emptied queue's");
+    p.trim();
+    assert_eq!(p.stats().pending_blocks, 1, "B's block is still pending");
+    assert_eq!(
+        handles(),
+        1,
+        "an emptied queue kept its stream handle after a poll"
+    );
+    drop(y);
+}
+
+/// `trim` surfaces a failed region free at once: `take_errors` right after it has the error.
+#[test]
+fn a_failed_region_free_in_a_trim_is_a_deferred_error_at_once() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let a = alloc(&p, A, 1000).unwrap();
+    let addr = a.device_address();
+    // SAFETY: this breaks `with_backend_mut`'s contract on purpose, to make the pool's own free of
+    // the region fail; on the simulated device no memory is behind the addresses, so nothing can
+    // be read or written through them.
+    unsafe { p.with_backend_mut(|b| bfc_alloc::cuda::DeviceBackend::mem_free(b, addr)) }.unwrap();
+    drop(a);
+    p.trim();
+    let errs = p.take_errors();
+    assert!(
+        errs.iter().any(|e| e.to_string().contains("cuMemFree")),
+        "{errs:?}"
+    );
+}
+
+/// A memory fraction of exactly 1 is valid: the whole device (rounded down to the granule).
+#[test]
+fn a_memory_fraction_of_one_is_the_whole_device() {
+    let opts = PoolOptions {
+        limit: MemoryLimit::Fraction(1.0),
+        ..PoolOptions::default()
+    };
+    assert_eq!(opts.resolve_limit(GIB, 4 * GIB + 100, 8), Ok(4 * GIB));
+}
+
+/// When an event wait fails in a synchronisation and the pool waits for the device instead, that
+/// device-wide wait covers the other streams' batches too: no further event wait, failure or device
+/// synchronisation.
+#[test]
+fn one_device_wait_after_a_failed_event_wait_covers_every_batch() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let (a, b) = (alloc(&p, A, MIB).unwrap(), alloc(&p, B, MIB).unwrap());
+    dev.enqueue(A);
+    dev.enqueue(B);
+    drop(a);
+    drop(b);
+    dev.set_fail_event_queries(true);
+    p.synchronize();
+    assert_eq!(p.stats().pending_blocks, 0);
+    assert_eq!(dev.device_syncs(), 1);
+    let errs = p.take_errors();
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert!(
+        errs[0].to_string().contains("cuEventSynchronize"),
+        "{}",
+        errs[0]
+    );
+}
+
+/// A failed device-wide synchronisation for unordered blocks in a synchronisation is reported, and
+/// the blocks stay pending.
+#[test]
+fn a_failed_device_wait_for_unordered_blocks_is_a_deferred_error() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let a = alloc(&p, A, MIB).unwrap();
+    dev.enqueue(A);
+    drop(a);
+    dev.set_fail_event_record(true);
+    dev.set_fail_synchronize(true);
+    p.synchronize();
+    assert_eq!(
+        p.stats().pending_blocks,
+        1,
+        "an unordered block was handed back"
+    );
+    let errs = p.take_errors();
+    assert!(
+        errs.iter()
+            .any(|e| e.to_string().contains("cuCtxSynchronize")),
+        "{errs:?}"
+    );
+}
+
+/// A driver refusal is forgotten once an allocation succeeds: a later out-of-memory at the pool's
+/// limit, which asks the driver nothing, names no driver error.
+#[test]
+fn a_driver_refusal_is_forgotten_after_a_success() {
+    let dev = SimDevice::new(GIB);
+    dev.set_refuse_above(MIB + MIB / 2);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let _a = alloc(&p, A, MIB).unwrap(); // 2 MiB refused, a smaller region taken
+    let e = alloc(&p, A, 100 * MIB).unwrap_err();
+    let PoolError::OutOfMemory(oom) = e else {
+        panic!("{e}")
+    };
+    assert_eq!(oom.report.cause, OomCause::LimitReached);
+    assert_eq!(oom.driver_error, None);
+}
+
+/// The out-of-memory message names the driver's refusal.
+#[test]
+fn the_out_of_memory_message_names_the_driver_refusal() {
+    let dev = SimDevice::new(GIB);
+    dev.set_used_by_others(GIB - 8 * MIB);
+    let p = pool(&dev, PoolOptions::with_limit(512 * MIB));
+    let e = alloc(&p, A, 16 * MIB).unwrap_err();
+    let PoolError::OutOfMemory(oom) = &e else {
+        panic!("{e}")
+    };
+    let refusal = oom.driver_error.clone().unwrap();
+    assert!(
+        e.to_string().contains(&std::format!("; driver: {refusal}")),
+        "{e}"
+    );
+}
+
+/// A rejected free's error is the source of the pool error that carries it.
+#[test]
+fn a_rejected_free_is_the_error_source() {
+    use std::error::Error;
+    let e = PoolError::Free(bfc_alloc::core::FreeError::DoubleFree { ptr: 0x100 });
+    assert!(e.source().is_some_and(|s| s.to_string() == {
+        let PoolError::Free(f) = &e else {
+            unreachable!()
+        };
+        f.to_string()
+    }));
+}
