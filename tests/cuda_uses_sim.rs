@@ -286,6 +286,28 @@ fn failed_ordering_makes_the_free_wait_for_the_device() {
     assert!(!pool.take_errors().is_empty());
 }
 
+/// A stream that could not be readied for a use (its context not made current) leaves the use
+/// not known to be ordered: the failure is reported, and the free waits for the device.
+#[test]
+fn a_failed_prepare_use_makes_the_free_wait_for_the_device() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    dev.set_fail_prepare_use(true);
+    let used = buf.simulate_use(B);
+    dev.set_fail_prepare_use(false);
+    let syncs = dev.device_syncs();
+    drop(buf);
+    assert_eq!(dev.device_syncs(), syncs + 1, "the free did not wait");
+    assert!(dev.completed(B) >= used);
+    let errors = pool.take_errors();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.to_string().contains("cuCtxSetCurrent")),
+        "{errors:?}"
+    );
+}
+
 /// What the docs ask of a user before taking a context's recorded error out (the pool cannot see
 /// a use whose end cudarc skipped once the error is gone): synchronise its streams.
 fn settle(dev: &SimDevice, streams: &[SimStream]) {
@@ -561,6 +583,7 @@ fn no_failures(dev: &SimDevice, streams: &[SimStream]) {
         dev.set_context_error(ctx, false);
     }
     dev.set_fail_use_ordering(false);
+    dev.set_fail_prepare_use(false);
     dev.set_unmanaged_sync(false);
     dev.set_fail_event_record(false);
     dev.set_fail_stream_query(false);
@@ -713,7 +736,8 @@ fn random_uses_under_failing_driver_calls_keep_the_pool_consistent() {
                 }
                 12 | 13 => {
                     let on = next(3) == 0;
-                    match next(12) {
+                    match next(13) {
+                        12 => dev.set_fail_prepare_use(on),
                         0 => dev.set_fail_use_ordering(on),
                         1 => dev.set_unmanaged_sync(on),
                         2 => dev.set_fail_event_record(on),

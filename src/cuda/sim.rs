@@ -92,6 +92,7 @@ struct SimState {
     use_events: Vec<Option<(u64, u64)>>,
     /// Makes the use protocol's event records and waits fail.
     fail_use_ordering: bool,
+    fail_prepare_use: bool,
     /// Whether the end of a use is waited for on the host instead of marked by an event (a cudarc
     /// context that does not manage stream synchronisation).
     unmanaged_sync: bool,
@@ -273,6 +274,7 @@ impl SimDevice {
                 // (Room, as for a stream's waits.)
                 use_events: Vec::with_capacity(256),
                 fail_use_ordering: false,
+                fail_prepare_use: false,
                 unmanaged_sync: false,
                 context_errors: Vec::new(),
                 fail_context_syncs: Vec::new(),
@@ -323,6 +325,12 @@ impl SimDevice {
     /// `cuStreamWaitEvent` in [`DeviceBuffer::simulate_use`] and [`DeviceBuffer::zero`]).
     pub fn set_fail_use_ordering(&self, fail: bool) {
         self.lock().fail_use_ordering = fail;
+    }
+
+    /// Makes readying a stream for a use fail (the CUDA back end makes the stream's context
+    /// current, `cuCtxSetCurrent`): the use is then not known to be ordered.
+    pub fn set_fail_prepare_use(&self, fail: bool) {
+        self.lock().fail_prepare_use = fail;
     }
 
     /// Makes the pool's event queries (`cuEventQuery`) and waits (`cuEventSynchronize`) fail.
@@ -716,6 +724,9 @@ impl UseOps for SimDevice {
     }
 
     fn prepare_use(&self, _: &SimStream) -> Result<(), BackendError> {
+        if self.lock().fail_prepare_use {
+            return Err(failed("cuCtxSetCurrent"));
+        }
         Ok(())
     }
 
