@@ -344,8 +344,8 @@ fn rebinding_without_the_bindings_lock_is_caught() {
 /// a second allocator (heap list, then its state lock; bindings, state, heap, heap list) and uses
 /// the first one through the engine and its thread cache before exiting (bindings, then heap). The
 /// prepare step never deadlocks with them, never comes while the other thread initialises an
-/// allocator (holding its state lock, which a fork child would inherit held), and the heaps are
-/// intact afterwards.
+/// allocator (holding its state lock, which a fork child would inherit held), holds every allocator
+/// lock itself at the fork, and the heaps are intact afterwards.
 #[test]
 fn fork_prepare_races_init_use_drop_and_exit() {
     loom::model(|| {
@@ -370,6 +370,7 @@ fn fork_prepare_races_init_use_drop_and_exit() {
         // SAFETY: the prepare step just ran on this thread.
         unsafe { bfc_alloc::host::loom_fork_release() };
         worker.join().unwrap();
+        bfc_alloc::host::loom_check_forks();
         assert_tagged(first, 1);
         free_all_and_check(&a, [first]);
         bfc_alloc::host::loom_exit_thread();
@@ -396,6 +397,18 @@ fn fork_during_an_initialisation_is_caught() {
 fn fork_prepare_with_inverted_lock_order_is_caught() {
     with_switch(
         &bfc_alloc::host::LOOM_BREAK_FORK_ORDER,
+        fork_prepare_races_init_use_drop_and_exit,
+    );
+}
+
+/// Negative control for models 7 and 8: with the prepare step leaving the bindings lock alone, a
+/// fork could come while another thread's exit flush holds it (its child would inherit it held):
+/// the check at the fork finds the lock not held by the forking thread.
+#[test]
+#[should_panic(expected = "fork without holding the bindings lock")]
+fn fork_without_the_bindings_lock_is_caught() {
+    with_switch(
+        &bfc_alloc::host::LOOM_SKIP_FORK_BINDINGS,
         fork_prepare_races_init_use_drop_and_exit,
     );
 }
@@ -435,6 +448,7 @@ fn two_forks(nested: bool) {
         for f in forkers {
             f.join().unwrap();
         }
+        bfc_alloc::host::loom_check_forks();
         assert_tagged(first, 1);
         free_all_and_check(&a, [first]);
         bfc_alloc::host::loom_exit_thread();
@@ -498,9 +512,9 @@ fn broken_lock_ordering_is_caught() {
 
 /// Model 4 (device pool, feature `cuda`): two threads allocate, free and reallocate buffers on their
 /// own streams of one pool over the simulated device, each buffer used once on its stream. The
-/// pool's state is behind the shim's mutex (loom's here); blocks never overlap while live, a block
-/// freed on one stream goes to the other only after the work queued on it before the free, the
-/// engine's invariants hold, and every block goes back once the streams' work completes.
+/// pool's state is behind the shim's mutex (loom's here); blocks never overlap while live, the
+/// engine's invariants hold, and every block goes back once the streams' work completes. (The pool
+/// has room for all, so no block changes stream here: model 4b makes them.)
 #[cfg(feature = "cuda")]
 #[test]
 fn device_pool_threads_on_two_streams() {
@@ -517,44 +531,23 @@ fn device_pool_threads_on_two_streams() {
                     let s = SimStream(t);
                     // SAFETY: simulated device memory is never read.
                     let first = unsafe { pool.alloc::<u8>(&s, 4096) }.unwrap();
-                    let freed = (
-                        first.device_address(),
-                        first.block_size(),
-                        first.simulate_use(s),
-                    );
+                    first.simulate_use(s);
                     drop(first);
                     // SAFETY: as above.
                     let kept = unsafe { pool.alloc::<u8>(&s, 4096) }.unwrap();
-                    let used = kept.simulate_use(s);
-                    (
-                        s,
-                        freed,
-                        (kept.device_address(), kept.block_size(), used),
-                        kept,
-                    )
+                    kept.simulate_use(s);
+                    (s, (kept.device_address(), kept.block_size()), kept)
                 })
             })
             .collect();
         let kept: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
         let overlap =
             |a: (u64, usize), b: (u64, usize)| a.0 < b.0 + b.1 as u64 && b.0 < a.0 + a.1 as u64;
-        let (a, b) = (&kept[0].2, &kept[1].2);
+        let (a, b) = (&kept[0].1, &kept[1].1);
         assert!(
             !overlap((a.0, a.1), (b.0, b.1)),
             "live device blocks overlap"
         );
-        // A block one thread freed goes to the other thread's stream only once the work queued
-        // on it before the free is done, or ordered before the new owner's work.
-        for (i, j) in [(0, 1), (1, 0)] {
-            let (s, freed, _, _) = &kept[i];
-            let (t, _, used, _) = &kept[j];
-            if overlap((freed.0, freed.1), (used.0, used.1)) {
-                assert!(
-                    dev.completed(*s) >= freed.2 || dev.ordered_before((*s, freed.2), (*t, used.2)),
-                    "a block freed on {s:?} went to {t:?} while its work may still run"
-                );
-            }
-        }
         pool.check().expect("pool invariants");
         drop(kept);
         dev.complete_all();
@@ -562,6 +555,72 @@ fn device_pool_threads_on_two_streams() {
         assert_eq!(pool.stats().allocator.bytes_in_use, 0);
         pool.check().expect("pool invariants");
     });
+}
+
+/// Model 4b (device pool, feature `cuda`): two threads each allocate a 1.5 MiB buffer on their own
+/// stream of a pool limited to one 2 MiB region, use it and free it. When both allocations come
+/// before either free, one is refused; otherwise the second must take the block the first freed
+/// while that block's work may still run. Every interleaving: the block goes to the other stream
+/// only once the work queued on it before the free is done, or ordered before the new owner's work
+/// (the pool waits for the freeing stream's event, or for the stream itself).
+#[cfg(feature = "cuda")]
+#[test]
+fn device_pool_reuses_a_busy_block_across_streams() {
+    use bfc_alloc::cuda::{DevicePool, PoolOptions, SimDevice, SimStream};
+    use std::sync::atomic::AtomicUsize;
+
+    // Executions in which the second buffer reused the first one's block.
+    static REUSED: AtomicUsize = AtomicUsize::new(0);
+    loom::model(|| {
+        let dev = SimDevice::new(1 << 30);
+        let options = PoolOptions {
+            initial_region_size: 2 << 20,
+            ..PoolOptions::with_limit(2 << 20)
+        };
+        let pool = DevicePool::with_backend(dev.backend(), options).unwrap();
+        let handles: Vec<_> = (1..=2u64)
+            .map(|t| {
+                let pool = pool.clone();
+                thread::spawn(move || {
+                    let s = SimStream(t);
+                    // SAFETY: simulated device memory is never read.
+                    let b = unsafe { pool.alloc::<u8>(&s, 3 << 19) }.ok()?;
+                    let used = (s, b.device_address(), b.block_size(), b.simulate_use(s));
+                    drop(b);
+                    Some(used)
+                })
+            })
+            .collect();
+        let uses: Vec<_> = handles
+            .into_iter()
+            .filter_map(|h| h.join().unwrap())
+            .collect();
+        if let [a, b] = uses[..] {
+            assert!(
+                a.1 < b.1 + b.2 as u64 && b.1 < a.1 + a.2 as u64,
+                "the two buffers fit one region only by sharing its block"
+            );
+            REUSED.fetch_add(1, Ordering::Relaxed);
+            // One of the two uses came first, and its work was done or ordered before the other's.
+            let ordered = |x: (SimStream, u64, usize, u64), y: (SimStream, u64, usize, u64)| {
+                dev.completed(x.0) >= x.3 || dev.ordered_before((x.0, x.3), (y.0, y.3))
+            };
+            assert!(
+                ordered(a, b) || ordered(b, a),
+                "a block went to another stream while the work queued on it may still run"
+            );
+        } else {
+            assert_eq!(uses.len(), 1, "both allocations were refused");
+        }
+        dev.complete_all();
+        pool.synchronize();
+        assert_eq!(pool.stats().allocator.bytes_in_use, 0);
+        pool.check().expect("pool invariants");
+    });
+    assert!(
+        REUSED.load(Ordering::Relaxed) > 0,
+        "no execution reused a block across streams"
+    );
 }
 
 /// Model 5 (device pool, feature `cuda`): two threads use one buffer at once, on two other

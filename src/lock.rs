@@ -21,6 +21,20 @@ pub struct SpinLock<T> {
     /// Unit tests: how many times a waiter ran the re-entry check.
     #[cfg(all(test, any(feature = "std", all(feature = "host", unix)), not(loom)))]
     reentry_checks: crate::sync::AtomicUsize,
+    /// Loom build: the holder's [`loom_thread_token`] (0 when free), so that the models can check
+    /// who holds the lock at a `fork`.
+    #[cfg(loom)]
+    holder: crate::sync::UnmodelledAtomicUsize,
+}
+
+/// Loom build: a non-zero token of the current loom thread (loom threads share one OS thread, so
+/// the std id cannot tell them apart).
+#[cfg(loom)]
+fn loom_thread_token() -> usize {
+    use core::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    loom::thread::current().id().hash(&mut h);
+    h.finish() as usize | 1
 }
 
 /// An id of the current thread: the address of a thread-local (no allocation, no registration).
@@ -110,7 +124,16 @@ impl<T> SpinLock<T> {
         SpinLock {
             locked: AtomicBool::new(false),
             value: UnsafeCell::new(value),
+            holder: crate::sync::UnmodelledAtomicUsize::new(0),
         }
+    }
+
+    /// Loom build: whether the calling thread holds the lock (taken and not yet released by it,
+    /// with or without a guard).
+    #[cfg(loom)]
+    pub(crate) fn loom_held_by_me(&self) -> bool {
+        self.locked.load(Ordering::Relaxed)
+            && self.holder.load(crate::sync::UnmodelledOrdering::Relaxed) == loom_thread_token()
     }
 
     /// Acquires the lock, spinning (then yielding) while another thread holds it.
@@ -133,6 +156,11 @@ impl<T> SpinLock<T> {
         if self.on_reentry.is_some() {
             self.owner.store(thread_id(), Ordering::Relaxed);
         }
+        #[cfg(loom)]
+        self.holder.store(
+            loom_thread_token(),
+            crate::sync::UnmodelledOrdering::Relaxed,
+        );
         SpinGuard::new(self)
     }
 
@@ -245,6 +273,10 @@ impl<T> Drop for SpinGuard<'_, T> {
         if self.lock.on_reentry.is_some() {
             self.lock.owner.store(0, Ordering::Relaxed);
         }
+        #[cfg(loom)]
+        self.lock
+            .holder
+            .store(0, crate::sync::UnmodelledOrdering::Relaxed);
         self.lock.locked.store(false, Ordering::Release);
     }
 }

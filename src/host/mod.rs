@@ -559,7 +559,7 @@ fn fork_prepare() {
     #[cfg(all(feature = "std", not(loom)))]
     let inverted = false;
     #[cfg(feature = "std")]
-    if !inverted {
+    if !inverted && !loom_skip_fork_bindings() {
         bindings().lock_held();
     }
     heaps().lock.lock_held();
@@ -582,7 +582,9 @@ unsafe fn fork_release() {
         for_each_heap(|a| a.heap.unlock_held());
         heaps().lock.unlock_held();
         #[cfg(feature = "std")]
-        bindings().unlock_held();
+        if !loom_skip_fork_bindings() {
+            bindings().unlock_held();
+        }
     }
 }
 
@@ -593,11 +595,82 @@ unsafe fn fork_release() {
 pub static LOOM_BREAK_FORK_ORDER: crate::sync::UnmodelledAtomicBool =
     crate::sync::UnmodelledAtomicBool::new(false);
 
+/// Negative control for the fork models (loom builds only): when set, the prepare and release steps
+/// leave the bindings lock alone, so a fork can come while another thread's exit flush holds it.
+#[cfg(all(feature = "std", loom))]
+#[doc(hidden)]
+pub static LOOM_SKIP_FORK_BINDINGS: crate::sync::UnmodelledAtomicBool =
+    crate::sync::UnmodelledAtomicBool::new(false);
+
+#[cfg(feature = "std")]
+#[inline(always)]
+fn loom_skip_fork_bindings() -> bool {
+    #[cfg(loom)]
+    return LOOM_SKIP_FORK_BINDINGS.load(crate::sync::UnmodelledOrdering::Relaxed);
+    #[cfg(not(loom))]
+    return false;
+}
+
+/// Loom build: at a `fork`, the forking thread must hold every allocator lock (the bindings lock,
+/// the heap list's lock and every heap lock), so that the child inherits none held by a thread it
+/// does not have, and the release steps unlock only what this thread took. Notes the first lock
+/// found otherwise; [`loom_check_forks`] reports it. (Not a panic at the fork itself: a panic while
+/// loom still holds a thread that has not started aborts the process instead of failing the model.)
+#[cfg(loom)]
+fn loom_note_fork_locks() {
+    let mut missing = 0;
+    #[cfg(feature = "std")]
+    if !bindings().loom_held_by_me() {
+        missing = 1;
+    }
+    if missing == 0 && !heaps().lock.loom_held_by_me() {
+        missing = 2;
+    }
+    for_each_heap(|a| {
+        if missing == 0 && !a.heap.loom_held_by_me() {
+            missing = 3;
+        }
+    });
+    if missing != 0 {
+        let _ = loom_fork_lock_missing().compare_exchange(
+            0,
+            missing,
+            crate::sync::UnmodelledOrdering::Relaxed,
+            crate::sync::UnmodelledOrdering::Relaxed,
+        );
+    }
+}
+
+/// Loom build: the first lock a fork of this model execution went ahead without (0: none).
+#[cfg(loom)]
+fn loom_fork_lock_missing() -> &'static crate::sync::UnmodelledAtomicUsize {
+    loom::lazy_static! {
+        static ref MISSING: crate::sync::UnmodelledAtomicUsize =
+            crate::sync::UnmodelledAtomicUsize::new(0);
+    }
+    &MISSING
+}
+
+/// Loom build: panics if a fork of this model execution went ahead without holding one of the
+/// allocator's locks. Models call it at their end, on the main thread.
+#[cfg(loom)]
+#[doc(hidden)]
+pub fn loom_check_forks() {
+    let what = match loom_fork_lock_missing().load(crate::sync::UnmodelledOrdering::Relaxed) {
+        0 => return,
+        1 => "the bindings lock",
+        2 => "the heap list's lock",
+        _ => "a heap lock",
+    };
+    panic!("fork without holding {what}");
+}
+
 /// Loom build: the `fork` prepare step, as the forking thread runs it (the models cannot fork).
 #[cfg(loom)]
 #[doc(hidden)]
 pub fn loom_fork_prepare() {
     fork_prepare();
+    loom_note_fork_locks();
     // Loom runs one thread at a time, so the count is exact at this point of the schedule.
     assert!(
         loom_state_held().load(crate::sync::UnmodelledOrdering::Relaxed) == 0,
@@ -1078,6 +1151,7 @@ impl GlobalBfc {
             fork_owner().thread.load(Relaxed) == me && fork_owner().depth.load(Relaxed) > 0,
             "fork on thread {me} without holding the allocator's locks"
         );
+        loom_note_fork_locks();
         let a = self.anchor.load(crate::sync::Ordering::Acquire);
         assert!(!a.is_null(), "the allocator was not initialised");
         // SAFETY: a non-null anchor was published after being written, and stays valid until
