@@ -401,14 +401,14 @@ fn fork_prepare_with_inverted_lock_order_is_caught() {
     );
 }
 
-/// Negative control for models 7 and 8: with the prepare step leaving the bindings lock alone, a
-/// fork could come while another thread's exit flush holds it (its child would inherit it held):
-/// the check at the fork finds the lock not held by the forking thread.
+/// Negative control for models 7 and 8: with the prepare step taking the bindings lock only when it
+/// is free, loom finds the schedule in which the worker's exit flush (or its allocator's drop)
+/// holds it at the fork, and the check at the fork finds the lock held by another thread.
 #[test]
 #[should_panic(expected = "fork without holding the bindings lock")]
 fn fork_without_the_bindings_lock_is_caught() {
     with_switch(
-        &bfc_alloc::host::LOOM_SKIP_FORK_BINDINGS,
+        &bfc_alloc::host::LOOM_TRY_FORK_BINDINGS,
         fork_prepare_races_init_use_drop_and_exit,
     );
 }
@@ -480,6 +480,34 @@ fn forks_sharing_one_held_flag_are_caught() {
 #[should_panic(expected = "without holding the allocator's locks")]
 fn nested_fork_releasing_early_is_caught() {
     with_switch(&bfc_alloc::host::LOOM_IGNORE_FORK_DEPTH, || two_forks(true));
+}
+
+/// The loom builds' record of a lock's holder, which the fork check relies on: a lock another
+/// thread holds is not held by this one, in every interleaving.
+#[test]
+fn a_lock_knows_its_holder() {
+    use bfc_alloc::lock::SpinLock;
+
+    loom::model(|| {
+        let lock = Arc::new(SpinLock::new(()));
+        let other = {
+            let lock = lock.clone();
+            thread::spawn(move || {
+                let g = lock.lock();
+                assert!(lock.loom_held_by_me());
+                drop(g);
+                assert!(!lock.loom_held_by_me());
+            })
+        };
+        assert!(
+            !lock.loom_held_by_me(),
+            "the other thread's lock seen as this one's"
+        );
+        let g = lock.lock();
+        assert!(lock.loom_held_by_me());
+        drop(g);
+        other.join().unwrap();
+    });
 }
 
 /// Negative control: with the lock's acquire ordering weakened to `Relaxed`, loom must find the data

@@ -131,7 +131,8 @@ impl<T> SpinLock<T> {
     /// Loom build: whether the calling thread holds the lock (taken and not yet released by it,
     /// with or without a guard).
     #[cfg(loom)]
-    pub(crate) fn loom_held_by_me(&self) -> bool {
+    #[doc(hidden)]
+    pub fn loom_held_by_me(&self) -> bool {
         self.locked.load(Ordering::Relaxed)
             && self.holder.load(crate::sync::UnmodelledOrdering::Relaxed) == loom_thread_token()
     }
