@@ -401,7 +401,7 @@ fn fork_prepare_with_inverted_lock_order_is_caught() {
     );
 }
 
-/// Negative control for models 7 and 8: with the prepare step taking the bindings lock only when it
+/// Negative control for model 7: with the prepare step taking the bindings lock only when it
 /// is free, loom finds the schedule in which the worker's exit flush (or its allocator's drop)
 /// holds it at the fork, and the check at the fork finds the lock held by another thread.
 #[test]

@@ -32,7 +32,19 @@ pub struct SpinLock<T> {
 #[cfg(loom)]
 fn loom_thread_token() -> usize {
     use core::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
+    /// FNV-1a (no `std` needed: loom builds of the core alone have none).
+    struct Fnv(u64);
+    impl Hasher for Fnv {
+        fn finish(&self) -> u64 {
+            self.0
+        }
+        fn write(&mut self, bytes: &[u8]) {
+            for &b in bytes {
+                self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        }
+    }
+    let mut h = Fnv(0xcbf2_9ce4_8422_2325);
     loom::thread::current().id().hash(&mut h);
     h.finish() as usize | 1
 }
@@ -220,7 +232,7 @@ impl<T> SpinLock<T> {
     /// the value it inherited. Loom executes one thread at a time and reports a read that races a
     /// write (one not ordered by the lock) as a causality violation, so the models can check that
     /// whoever reads this way holds the lock through some other path.
-    #[cfg(loom)]
+    #[cfg(all(loom, feature = "host"))]
     pub(crate) fn loom_peek<R>(&self, f: impl FnOnce(&T) -> R) -> R {
         // SAFETY: loom runs the model's threads one at a time, so no access overlaps this one in
         // fact; an unsynchronised one is reported (panic) before `f` runs.

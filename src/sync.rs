@@ -10,7 +10,9 @@ pub(crate) use core::sync::atomic::AtomicUsize;
 #[cfg(not(loom))]
 pub(crate) use core::sync::atomic::{AtomicBool, Ordering};
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicBool, Ordering};
+#[cfg(all(loom, feature = "host"))]
+pub(crate) use loom::sync::atomic::{AtomicPtr, AtomicUsize};
 
 #[cfg(loom)]
 #[allow(unused_imports)]
@@ -56,7 +58,7 @@ impl<T> UnsafeCell<T> {
     }
 
     /// Loom build: runs `f` with a shared raw pointer to the value (loom records a read).
-    #[cfg(loom)]
+    #[cfg(all(loom, feature = "host"))]
     pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
         self.0.with(f)
     }

@@ -356,7 +356,11 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     /// maps, so replacing the source (or anything that frees what it handed out) from safe code
     /// would leave the engine using freed memory.
     #[cfg_attr(
-        not(any(feature = "host", feature = "cuda", all(test, feature = "std"))),
+        not(any(
+            all(feature = "host", unix),
+            feature = "cuda",
+            all(test, feature = "std")
+        )),
         allow(dead_code, reason = "used by the host heap and the device pool")
     )]
     pub(crate) fn source_mut(&mut self) -> &mut S {

@@ -14,6 +14,7 @@
 //! previous one. A stream's context is the high 32 bits of its id
 //! ([`SimStream::in_context`]); the pool's context is 0.
 
+use core::cell::Cell;
 use std::string::ToString;
 use std::sync::{Arc, PoisonError};
 
@@ -85,8 +86,6 @@ struct SimState {
     fail_event_record: bool,
     fail_stream_query: bool,
     fail_finish_uses: bool,
-    /// Set while `finish_uses` runs with `fail_finish_uses`: the protocol's stream waits fail.
-    failing_finish: bool,
     fail_synchronize: bool,
     /// Events of the use protocol, by handle: their latest record `(stream, item)`, if any.
     use_events: Vec<Option<(u64, u64)>>,
@@ -269,7 +268,6 @@ impl SimDevice {
                 fail_event_record: false,
                 fail_stream_query: false,
                 fail_finish_uses: false,
-                failing_finish: false,
                 fail_synchronize: false,
                 // (Room, as for a stream's waits.)
                 use_events: Vec::with_capacity(256),
@@ -639,16 +637,13 @@ unsafe impl DeviceBackend for SimBackend {
     }
 
     fn finish_uses(&mut self, stream: &SimStream, uses: &SimUses) -> Result<(), UsesError> {
-        let fail = {
-            let mut st = self.device.lock();
-            st.failing_finish = st.fail_finish_uses;
-            st.fail_finish_uses
-        };
+        let fail = self.device.lock().fail_finish_uses;
         // The protocol runs as the CUDA back end's does, up to its first stream wait, which fails
         // (nothing is waited for, no mark is recorded): uses in another context are waited for, or
         // reported as unbounded, before any stream wait.
+        FAILING_FINISH.with(|f| f.set(fail));
         let r = uses.protocol.finish(&self.device, stream);
-        self.device.lock().failing_finish = false;
+        FAILING_FINISH.with(|f| f.set(false));
         r?;
         if fail {
             // No stream wait was needed: the failure is reported anyway (the switch's contract).
@@ -656,6 +651,13 @@ unsafe impl DeviceBackend for SimBackend {
         }
         Ok(())
     }
+}
+
+std::thread_local! {
+    /// Set while this thread's `finish_uses` runs with `fail_finish_uses` on: the protocol's stream
+    /// waits fail on this thread only, so another thread's uses and frees go on as usual. (Loom
+    /// threads share one OS thread; no model turns the switch on.)
+    static FAILING_FINISH: Cell<bool> = const { Cell::new(false) };
 }
 
 /// The simulated device's record of a buffer's uses on other streams (the same protocol as
@@ -702,7 +704,7 @@ impl UseOps for SimDevice {
 
     fn wait(&self, stream: &SimStream, event: &SimUseEvent) -> Result<(), BackendError> {
         let mut st = self.lock();
-        if st.fail_use_ordering || st.failing_finish {
+        if st.fail_use_ordering || FAILING_FINISH.with(Cell::get) {
             return Err(failed("cuStreamWaitEvent"));
         }
         // Waiting for an event never recorded waits for nothing, as in CUDA.
