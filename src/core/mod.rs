@@ -1243,15 +1243,18 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         }
         let region_align = align.clamp(granule, REGION_ALIGN_MAX);
         let min = needed;
+        // The size after this one, kept only if this growth succeeds: a failed request must not
+        // inflate the next region.
+        let mut next = self.next_region_size;
         let mut size = if self.config.allow_growth {
             let mut grew = false;
-            while self.next_region_size < min {
-                self.next_region_size = self.next_region_size.saturating_mul(2);
+            while next < min {
+                next = next.saturating_mul(2);
                 grew = true;
             }
-            let size = self.next_region_size.min(available);
+            let size = next.min(available);
             if !grew {
-                self.next_region_size = self.next_region_size.saturating_mul(2);
+                next = next.saturating_mul(2);
             }
             size
         } else if self.num_regions == 0 {
@@ -1259,17 +1262,24 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         } else {
             return Err(OomCause::NoGrowth);
         };
-        let base = loop {
-            if let Some(b) = self.source.alloc_region(size, region_align) {
-                break b;
+        loop {
+            if let Some(base) = self.source.alloc_region(size, region_align) {
+                match self.add_region(base, size) {
+                    Ok(h) => {
+                        self.next_region_size = next;
+                        return Ok(h);
+                    }
+                    // No room for the region's pointer map: a smaller region needs a smaller map.
+                    Err(OomCause::SourceRefused) => {}
+                    Err(cause) => return Err(cause),
+                }
             }
             if size == min {
                 return Err(OomCause::SourceRefused);
             }
             // Back off by 0.9, never below what the request needs.
             size = ((size / 10 * 9) & !(granule - 1)).max(min);
-        };
-        self.add_region(base, size)
+        }
     }
 
     fn add_region(&mut self, base: usize, size: usize) -> Result<ChunkHandle, OomCause> {

@@ -24,6 +24,8 @@ pub struct SimSource {
     maps: HeapMaps,
     /// Requests larger than this are refused.
     pub refuse_above: usize,
+    /// Pointer maps of more entries than this are refused (as by a host out of memory).
+    pub refuse_maps_above: usize,
     /// Every `alloc_region` size asked for, in order.
     pub requests: Vec<usize>,
     /// Number of regions freed.
@@ -50,6 +52,7 @@ impl SimSource {
             live: Vec::new(),
             maps: HeapMaps::new(),
             refuse_above: usize::MAX,
+            refuse_maps_above: usize::MAX,
             requests: Vec::new(),
             regions_freed: 0,
         }
@@ -126,6 +129,9 @@ unsafe impl MemorySource for SimSource {
         region_base: usize,
         entries: usize,
     ) -> Option<NonNull<Option<ChunkHandle>>> {
+        if entries > self.refuse_maps_above {
+            return None;
+        }
         self.maps.alloc(region_base, entries)
     }
 

@@ -235,6 +235,48 @@ fn growth_doubles_and_backs_off() {
 }
 
 #[test]
+fn a_failed_growth_leaves_the_next_region_size_alone() {
+    // The source has 16 MiB to give. Three refused 64 MiB requests must not inflate the size of
+    // the next region: it still doubles from the first one's 2 MiB to 4 MiB.
+    let mut b = engine(Config::device(1 << 34));
+    b.source_mut().refuse_above = 16 << 20;
+    alloc(&mut b, 1 << 20, 1);
+    assert_eq!(b.source().requests, [2 << 20]);
+    for _ in 0..3 {
+        assert!(b.allocate(64 << 20, 1).is_err());
+    }
+    checked(&b);
+    b.source_mut().requests.clear();
+    alloc(&mut b, 2 << 20, 1);
+    assert_eq!(b.source().requests, [4 << 20]);
+}
+
+#[test]
+fn a_refused_pointer_map_backs_off_to_a_smaller_region() {
+    // A region's map has one entry per map block: the source refuses maps for regions above
+    // 4 MiB, as a host out of memory would.
+    let mut cfg = Config::device(1 << 30);
+    cfg.initial_region_size = 8 << 20;
+    let mut b = engine(cfg);
+    let block = cfg.granule * cfg.map_block_granules;
+    b.source_mut().refuse_maps_above = (4 << 20) / block;
+    // An 8 MiB region's map is refused: smaller regions are tried, down to the request.
+    alloc(&mut b, 1 << 20, 1);
+    let reserved = b.stats().bytes_reserved;
+    assert!(
+        ((1 << 20)..=(4 << 20)).contains(&reserved),
+        "{reserved} B, after {:?}",
+        b.source().requests
+    );
+    // A request whose own map would be refused fails, and does not poison later growth.
+    assert!(b.allocate(16 << 20, 1).is_err());
+    b.source_mut().requests.clear();
+    alloc(&mut b, 4 << 20, 1);
+    assert_eq!(b.stats().num_regions, 2);
+    checked(&b);
+}
+
+#[test]
 fn memory_limit_caps_reservation_and_oom_reports_occupancy() {
     let mut cfg = Config::device(8 << 20);
     cfg.initial_region_size = 1 << 20;
