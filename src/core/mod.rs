@@ -1262,11 +1262,14 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         } else {
             return Err(OomCause::NoGrowth);
         };
+        let first = size;
         loop {
             if let Some(base) = self.source.alloc_region(size, region_align) {
                 match self.add_region(base, size) {
                     Ok(h) => {
-                        self.next_region_size = next;
+                        // After backing off, grow from what the source gave, not from what it
+                        // refused: else each growth starts ever higher and backs off ever longer.
+                        self.next_region_size = if size < first { size } else { next };
                         return Ok(h);
                     }
                     // No room for the region's pointer map: a smaller region needs a smaller map.

@@ -236,8 +236,8 @@ fn growth_doubles_and_backs_off() {
 
 #[test]
 fn a_failed_growth_leaves_the_next_region_size_alone() {
-    // The source has 16 MiB to give. Three refused 64 MiB requests must not inflate the size of
-    // the next region: it still doubles from the first one's 2 MiB to 4 MiB.
+    // The source refuses any region above 16 MiB. Three refused 64 MiB requests must not inflate
+    // the size of the next region: it still doubles from the first one's 2 MiB to 4 MiB.
     let mut b = engine(Config::device(1 << 34));
     b.source_mut().refuse_above = 16 << 20;
     alloc(&mut b, 1 << 20, 1);
@@ -268,11 +268,33 @@ fn a_refused_pointer_map_backs_off_to_a_smaller_region() {
         "{reserved} B, after {:?}",
         b.source().requests
     );
-    // A request whose own map would be refused fails, and does not poison later growth.
+    // A request whose own map would be refused fails, and does not poison later growth: the next
+    // region starts from twice what the first growth got (not from twice what it tried).
     assert!(b.allocate(16 << 20, 1).is_err());
     b.source_mut().requests.clear();
     alloc(&mut b, 4 << 20, 1);
     assert_eq!(b.stats().num_regions, 2);
+    assert_eq!(b.source().requests[0], 2 * reserved);
+    checked(&b);
+}
+
+#[test]
+fn growth_after_a_backed_off_region_starts_from_what_the_source_gave() {
+    // The source refuses any region above 16 MiB. Each 15 MiB block needs a region of its own;
+    // once one growth backed off, the next starts near what the source gave, so each growth takes
+    // a few source calls, not a walk down from the whole limit.
+    let mut b = engine(Config::device(1 << 34));
+    b.source_mut().refuse_above = 16 << 20;
+    for _ in 0..12 {
+        b.source_mut().requests.clear();
+        alloc(&mut b, 15 << 20, 1);
+        let calls = b.source().requests.len();
+        assert!(
+            calls <= 10,
+            "{calls} source calls: {:?}",
+            b.source().requests
+        );
+    }
     checked(&b);
 }
 

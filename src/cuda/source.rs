@@ -124,7 +124,16 @@ unsafe impl<B: DeviceBackend> MemorySource for DeviceSource<B> {
         region_base: usize,
         entries: usize,
     ) -> Option<NonNull<Option<ChunkHandle>>> {
-        self.maps.alloc(region_base, entries)
+        let map = self.maps.alloc(region_base, entries);
+        if map.is_none() {
+            // The engine gives the region back and tries a smaller one: the report must not blame
+            // the driver for this refusal.
+            self.last_refusal = Some(BackendError::new(
+                "host allocation",
+                format!("not the driver: no host memory for the pointer map ({entries} entries) of a region"),
+            ));
+        }
+        map
     }
 
     unsafe fn free_map(
