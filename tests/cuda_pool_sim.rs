@@ -1216,24 +1216,29 @@ fn a_refusal_by_the_padding_limit_is_reported() {
     drop(a);
 }
 
-/// A failed `cuMemFree` is not lost: it comes back through `take_errors`.
+/// A failed `cuMemFree` is not lost: it comes back through `take_errors` right after the call that
+/// gave the region back (`synchronize` or `trim`).
 #[test]
 fn a_failed_region_free_is_a_deferred_error() {
-    let dev = SimDevice::new(GIB);
-    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
-    let a = alloc(&p, A, 1000).unwrap();
-    let addr = a.device_address();
-    // SAFETY: this breaks `with_backend_mut`'s contract on purpose, to make the pool's own free of
-    // the region fail; on the simulated device no memory is behind the addresses, so nothing can
-    // be read or written through them.
-    unsafe { p.with_backend_mut(|b| bfc_alloc::cuda::DeviceBackend::mem_free(b, addr)) }.unwrap();
-    drop(a);
-    p.synchronize();
-    let errs = p.take_errors();
-    assert!(
-        errs.iter().any(|e| e.to_string().contains("cuMemFree")),
-        "{errs:?}"
-    );
+    let release: [fn(&Pool) -> usize; 2] = [|p| p.synchronize(), |p| p.trim()];
+    for release in release {
+        let dev = SimDevice::new(GIB);
+        let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+        let a = alloc(&p, A, 1000).unwrap();
+        let addr = a.device_address();
+        // SAFETY: this breaks `with_backend_mut`'s contract on purpose, to make the pool's own free
+        // of the region fail; on the simulated device no memory is behind the addresses, so nothing
+        // can be read or written through them.
+        unsafe { p.with_backend_mut(|b| bfc_alloc::cuda::DeviceBackend::mem_free(b, addr)) }
+            .unwrap();
+        drop(a);
+        release(&p);
+        let errs = p.take_errors();
+        assert!(
+            errs.iter().any(|e| e.to_string().contains("cuMemFree")),
+            "{errs:?}"
+        );
+    }
 }
 
 #[test]
@@ -1894,26 +1899,6 @@ fn a_poll_drops_an_emptied_queue_before_a_busy_one() {
         "an emptied queue kept its stream handle after a poll"
     );
     drop(y);
-}
-
-/// `trim` surfaces a failed region free at once: `take_errors` right after it has the error.
-#[test]
-fn a_failed_region_free_in_a_trim_is_a_deferred_error_at_once() {
-    let dev = SimDevice::new(GIB);
-    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
-    let a = alloc(&p, A, 1000).unwrap();
-    let addr = a.device_address();
-    // SAFETY: this breaks `with_backend_mut`'s contract on purpose, to make the pool's own free of
-    // the region fail; on the simulated device no memory is behind the addresses, so nothing can
-    // be read or written through them.
-    unsafe { p.with_backend_mut(|b| bfc_alloc::cuda::DeviceBackend::mem_free(b, addr)) }.unwrap();
-    drop(a);
-    p.trim();
-    let errs = p.take_errors();
-    assert!(
-        errs.iter().any(|e| e.to_string().contains("cuMemFree")),
-        "{errs:?}"
-    );
 }
 
 /// A memory fraction of exactly 1 is valid: the whole device (rounded down to the granule).

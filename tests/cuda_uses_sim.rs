@@ -53,6 +53,14 @@ fn check_after_history(
     }
 }
 
+/// Frees `buf` with the stream waits that order its uses before the free failing
+/// (`cuStreamWaitEvent`).
+fn free_with_a_failed_stream_wait(dev: &SimDevice, buf: Buf) {
+    dev.set_fail_finish_uses(true);
+    drop(buf);
+    dev.set_fail_finish_uses(false);
+}
+
 /// Whether item `k` of `s` is done or ordered before the next item queued on `next`.
 fn before_next(dev: &SimDevice, (s, k): (SimStream, u64), next: SimStream) -> bool {
     dev.completed(s) >= k || dev.ordered_before((s, k), (next, dev.queued(next) + 1))
@@ -922,9 +930,7 @@ fn a_device_synchronisation_does_not_reach_other_contexts() {
     let (dev, pool) = setup();
     let elsewhere = dev.enqueue(X);
     let buf = alloc(&pool, A, MIB);
-    dev.set_fail_finish_uses(true);
-    drop(buf); // the pool waits for the device
-    dev.set_fail_finish_uses(false);
+    free_with_a_failed_stream_wait(&dev, buf); // the pool waits for the device
     assert_eq!(dev.device_syncs(), 1);
     assert!(
         dev.completed(X) < elsewhere,
@@ -942,9 +948,7 @@ fn a_failed_stream_wait_still_waits_for_another_context() {
     let addr = buf.device_address();
     dev.set_context_error(X.context(), true);
     let used = buf.simulate_use(X); // the guard's wait is skipped
-    dev.set_fail_finish_uses(true);
-    drop(buf);
-    dev.set_fail_finish_uses(false);
+    free_with_a_failed_stream_wait(&dev, buf);
     let again = alloc(&pool, B, 2 * MIB);
     assert_eq!(again.device_address(), addr, "the block was not reused");
     assert!(
@@ -985,9 +989,7 @@ fn a_failed_stream_wait_for_a_same_context_use_falls_back_to_the_device() {
     let buf = alloc(&pool, A, 2 * MIB);
     let addr = buf.device_address();
     let used = buf.simulate_use(B);
-    dev.set_fail_finish_uses(true);
-    drop(buf);
-    dev.set_fail_finish_uses(false);
+    free_with_a_failed_stream_wait(&dev, buf);
     assert_eq!(dev.device_syncs(), 1);
     let again = alloc(&pool, C, 2 * MIB);
     assert_eq!(again.device_address(), addr, "the block was not reused");

@@ -1242,13 +1242,12 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             return Err(OomCause::LimitReached);
         }
         let region_align = align.clamp(granule, REGION_ALIGN_MAX);
-        let min = needed;
         // The size after this one, kept only if this growth succeeds: a failed request must not
         // inflate the next region.
         let mut next = self.next_region_size;
         let mut size = if self.config.allow_growth {
             let mut grew = false;
-            while next < min {
+            while next < needed {
                 next = next.saturating_mul(2);
                 grew = true;
             }
@@ -1277,11 +1276,11 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
                     Err(cause) => return Err(cause),
                 }
             }
-            if size == min {
+            if size == needed {
                 return Err(OomCause::SourceRefused);
             }
             // Back off by 0.9, never below what the request needs.
-            size = ((size / 10 * 9) & !(granule - 1)).max(min);
+            size = ((size / 10 * 9) & !(granule - 1)).max(needed);
         }
     }
 

@@ -636,19 +636,7 @@ fn loom_bindings_held_by_me() -> bool {
 /// loom still holds a thread that has not started aborts the process instead of failing the model.)
 #[cfg(loom)]
 fn loom_note_fork_locks() {
-    let mut missing = 0;
-    #[cfg(feature = "std")]
-    if !bindings().loom_held_by_me() {
-        missing = 1;
-    }
-    if missing == 0 && !heaps().lock.loom_held_by_me() {
-        missing = 2;
-    }
-    for_each_heap(|a| {
-        if missing == 0 && !a.heap.loom_held_by_me() {
-            missing = 3;
-        }
-    });
+    let missing = loom_first_lock_not_held();
     if missing != 0 {
         let _ = loom_fork_lock_missing().compare_exchange(
             0,
@@ -656,6 +644,26 @@ fn loom_note_fork_locks() {
             crate::sync::UnmodelledOrdering::Relaxed,
             crate::sync::UnmodelledOrdering::Relaxed,
         );
+    }
+}
+
+/// Loom build: the first allocator lock the calling thread does not hold, numbered as
+/// [`loom_check_forks`] names them (0: it holds them all).
+#[cfg(loom)]
+fn loom_first_lock_not_held() -> usize {
+    #[cfg(feature = "std")]
+    if !bindings().loom_held_by_me() {
+        return 1;
+    }
+    if !heaps().lock.loom_held_by_me() {
+        return 2;
+    }
+    let mut heaps_held = true;
+    for_each_heap(|a| heaps_held &= a.heap.loom_held_by_me());
+    if heaps_held {
+        0
+    } else {
+        3
     }
 }
 
