@@ -1,7 +1,7 @@
 //! The host allocator: the BFC engine behind a spinlock over one reserved `mmap` arena.
 //!
 //! On first use [`GlobalBfc`] reserves [`HostConfig::arena_size`] bytes of address space, plus a
-//! separate reservation for metadata: the pointer map (4 bytes per 512 arena bytes), the chunk table
+//! separate reservation for metadata: the pointer map (4 bytes per 32 granules), the chunk table
 //! ([`HostConfig::chunk_capacity`] records of 32 bytes, at most one per 256 arena bytes), and the
 //! slab layer's span table and span sets (under 1% of the arena). If the kernel refuses either,
 //! both are tried again with half the arena, down to [`HostConfig::min_arena_size`]; below that, a
