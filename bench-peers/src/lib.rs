@@ -6,9 +6,13 @@
 //! - `pairs`: allocate 32 bytes, write, free.
 //! - `vec`: a `Vec<u64>` pushed from empty to 2^20 elements, 200 times (realloc growth).
 //! - `large`: the churn over 64 blocks of 64 KiB..=16 MiB.
+//! - `largew`: `large` with one byte written in every 4 KiB page of each block (a program that fills
+//!   its blocks), 10,000 steps: its time counts the page faults and its peak RSS the live bytes,
+//!   which `large`'s first-byte writes leave out.
 //! - `churn2`, `churn4`, `churn16`: the churn in 2 / 4 / 16 threads, each with its own live set;
 //!   wall time of the measured loops over the steps of one thread (16 threads on a 2-core machine:
-//!   a lock holder is often descheduled).
+//!   a lock holder is often descheduled). The threads start their loops together and free their
+//!   live sets only after every loop has ended.
 //! - `achurn2`: `churn2` with every block aligned to 64 bytes (cache-line padded values).
 //! - `xfree`: one thread allocates (8..=512 bytes) and sends batches of 256 to one that frees them;
 //!   wall time per object.
@@ -27,6 +31,7 @@ pub const WORKLOADS: &[(&str, &str)] = &[
     ("pairs", "ns/pair"),
     ("vec", "ns/push"),
     ("large", "ns/step"),
+    ("largew", "ns/step"),
     ("churn2", "ns/step/thread"),
     ("churn4", "ns/step/thread"),
     ("churn16", "ns/step/thread"),
@@ -66,11 +71,23 @@ fn get(size: usize) -> *mut u8 {
 
 /// Allocates `size` bytes aligned to `align` and writes the first byte.
 fn get_aligned(size: usize, align: usize) -> *mut u8 {
+    get_touched::<false>(size, align)
+}
+
+/// Allocates `size` bytes aligned to `align` and writes the first byte, and with `EVERY_PAGE` one
+/// byte in every 4 KiB of the block (a constant, so the first-byte workloads' code is unchanged).
+fn get_touched<const EVERY_PAGE: bool>(size: usize, align: usize) -> *mut u8 {
     // SAFETY: a non-zero layout.
     let p = unsafe { alloc(layout_aligned(size, align)) };
     assert!(!p.is_null(), "out of memory");
     // SAFETY: the block holds at least one byte.
     unsafe { p.write(size as u8) };
+    if EVERY_PAGE {
+        for off in (4096..size).step_by(4096) {
+            // SAFETY: `off < size`.
+            unsafe { p.add(off).write(off as u8) };
+        }
+    }
     black_box(p)
 }
 
@@ -85,9 +102,10 @@ fn put_aligned(p: *mut u8, size: usize, align: usize) {
 }
 
 /// Random replacement in a live set of `live` blocks of log-uniform sizes in `lo..=hi`. Fills the
-/// live set, waits at `start` (if any), then times `steps` replacements: returns the measured loop's
-/// start and end.
-fn churn_span(
+/// live set, waits at `start` (if any), then times `steps` replacements, then waits at `start` again
+/// (so that no thread frees its live set while another is still measured): returns the measured
+/// loop's start and end. `EVERY_PAGE`: see [`get_touched`].
+fn churn_span<const EVERY_PAGE: bool>(
     seed: u64,
     live: usize,
     lo: usize,
@@ -100,7 +118,7 @@ fn churn_span(
     let mut slots: Vec<(*mut u8, usize)> = (0..live)
         .map(|_| {
             let s = rng.log_size(lo, hi);
-            (get_aligned(s, align), s)
+            (get_touched::<EVERY_PAGE>(s, align), s)
         })
         .collect();
     if let Some(b) = start {
@@ -112,9 +130,12 @@ fn churn_span(
         let (p, s) = slots[i];
         put_aligned(p, s, align);
         let s = rng.log_size(lo, hi);
-        slots[i] = (get_aligned(s, align), s);
+        slots[i] = (get_touched::<EVERY_PAGE>(s, align), s);
     }
     let t1 = Instant::now();
+    if let Some(b) = start {
+        b.wait();
+    }
     for (p, s) in slots {
         put_aligned(p, s, align);
     }
@@ -122,8 +143,14 @@ fn churn_span(
 }
 
 /// [`churn_span`] in one thread: ns per step.
-fn churn(seed: u64, live: usize, lo: usize, hi: usize, steps: usize) -> f64 {
-    let (t0, t1) = churn_span(seed, live, lo, hi, steps, 8, None);
+fn churn<const EVERY_PAGE: bool>(
+    seed: u64,
+    live: usize,
+    lo: usize,
+    hi: usize,
+    steps: usize,
+) -> f64 {
+    let (t0, t1) = churn_span::<EVERY_PAGE>(seed, live, lo, hi, steps, 8, None);
     (t1 - t0).as_nanos() as f64 / steps as f64
 }
 
@@ -155,7 +182,7 @@ fn threaded_churn(threads: usize, steps: usize, align: usize) -> f64 {
         .map(|t| {
             let start = start.clone();
             std::thread::spawn(move || {
-                churn_span(7 + t as u64, 10_000, 8, 4096, steps, align, Some(&start))
+                churn_span::<false>(7 + t as u64, 10_000, 8, 4096, steps, align, Some(&start))
             })
         })
         .collect();
@@ -168,11 +195,12 @@ fn threaded_churn(threads: usize, steps: usize, align: usize) -> f64 {
 /// One producer allocates, one consumer frees: ns per object (wall time / objects).
 fn cross_thread_free(objects: usize) -> f64 {
     const BATCH: usize = 256;
+    let batches = objects / BATCH;
     let (tx, rx) = mpsc::sync_channel::<Vec<(usize, usize)>>(16);
     let t = Instant::now();
     let producer = std::thread::spawn(move || {
         let mut rng = Rng(11);
-        for _ in 0..objects / BATCH {
+        for _ in 0..batches {
             let batch: Vec<(usize, usize)> = (0..BATCH)
                 .map(|_| {
                     let s = rng.log_size(8, 512);
@@ -191,10 +219,11 @@ fn cross_thread_free(objects: usize) -> f64 {
     });
     producer.join().unwrap();
     consumer.join().unwrap();
-    t.elapsed().as_nanos() as f64 / objects as f64
+    // The objects sent: whole batches only.
+    t.elapsed().as_nanos() as f64 / (batches * BATCH) as f64
 }
 
-/// A JSON document of about 12 MB: an array of objects with strings (some of varying length),
+/// A JSON document of about 11.5 MB: an array of objects with strings (some of varying length),
 /// numbers, a nested object and nested arrays.
 fn json_document() -> String {
     let mut s = String::from("[");
@@ -253,10 +282,11 @@ pub fn main() {
         .nth(1)
         .expect("usage: peer-<allocator> <workload>");
     let value = match name.as_str() {
-        "churn" => churn(1, 10_000, 8, 4096, 3_000_000),
+        "churn" => churn::<false>(1, 10_000, 8, 4096, 3_000_000),
         "pairs" => pairs(30_000_000),
         "vec" => vec_growth(200, 1 << 20),
-        "large" => churn(3, 64, 64 << 10, 16 << 20, 100_000),
+        "large" => churn::<false>(3, 64, 64 << 10, 16 << 20, 100_000),
+        "largew" => churn::<true>(3, 64, 64 << 10, 16 << 20, 10_000),
         "churn2" => threaded_churn(2, 2_000_000, 8),
         "churn4" => threaded_churn(4, 750_000, 8),
         "churn16" => threaded_churn(16, 200_000, 8),

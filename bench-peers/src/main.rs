@@ -20,6 +20,20 @@ const ALLOCATORS: &[&str] = &[
     "bfc", "system", "mimalloc", "jemalloc", "talc", "rlsf", "dlmalloc",
 ];
 
+/// `(name, binary, environment)`.
+type Variant = (
+    &'static str,
+    &'static str,
+    &'static [(&'static str, &'static str)],
+);
+
+/// Variants run only when named in `--allocs`: `(name, binary, environment)`. mimalloc asks for
+/// transparent huge pages on its arenas (`MADV_HUGEPAGE`, its `allow_thp` default) while bfc-alloc
+/// refuses them on its own (`MADV_NOHUGEPAGE`); `mimalloc-nothp` is mimalloc with THP off, so the
+/// two choices can be told apart from the allocators (with first-byte writes a 2 MiB fault serves one
+/// written byte, which moves mimalloc's `large` time and every RSS of its).
+const VARIANTS: &[Variant] = &[("mimalloc-nothp", "mimalloc", &[("MIMALLOC_ALLOW_THP", "0")])];
+
 /// A run taking longer than this is killed and counted as failed.
 const RUN_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -50,8 +64,9 @@ impl Cell {
 
 fn usage() -> ! {
     eprintln!(
-        "usage: bench-peers [--rounds N] [--allocs a,b,...] [workload...]\n  allocators: {}\n  workloads: {}",
+        "usage: bench-peers [--rounds N] [--allocs a,b,...] [workload...]\n  allocators: {} (and, only when named: {})\n  workloads: {}",
         ALLOCATORS.join(","),
+        VARIANTS.iter().map(|v| v.0).collect::<Vec<_>>().join(","),
         WORKLOADS.iter().map(|w| w.0).collect::<Vec<_>>().join(" ")
     );
     std::process::exit(2)
@@ -59,8 +74,13 @@ fn usage() -> ! {
 
 /// Runs `peer-<alloc> <workload>`: `(time per unit, peak RSS KiB)`, or why it failed.
 fn run_one(dir: &Path, alloc: &str, workload: &str) -> Result<(f64, u64), String> {
-    let mut child = Command::new(dir.join(format!("peer-{alloc}")))
+    let (bin, env): (&str, &[(&str, &str)]) = VARIANTS
+        .iter()
+        .find(|v| v.0 == alloc)
+        .map_or((alloc, &[]), |v| (v.1, v.2));
+    let mut child = Command::new(dir.join(format!("peer-{bin}")))
         .arg(workload)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -146,7 +166,7 @@ fn main() {
         }
     }
     for a in &allocs {
-        if !ALLOCATORS.contains(&a.as_str()) {
+        if !ALLOCATORS.contains(&a.as_str()) && !VARIANTS.iter().any(|v| v.0 == a) {
             eprintln!("unknown allocator {a:?}");
             usage();
         }
@@ -203,6 +223,12 @@ fn main() {
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!();
     println!("machine: {cpus} CPUs (nproc), {}", cpu_model());
+    // mimalloc's RSS (and its `large` time) depend on it; bfc-alloc opts out of THP either way.
+    println!(
+        "transparent huge pages: {}",
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .map_or_else(|_| "unknown".into(), |s| s.trim().to_string())
+    );
     println!(
         "command: cd bench-peers && cargo run --release --{}",
         std::env::args()
@@ -225,6 +251,8 @@ fn main() {
         print!("| {w} | {} |", unit(w));
         let mut best: Option<(f64, &str)> = None;
         let mut bfc = None;
+        // Peers left out of the best-peer ratio because a round of theirs failed.
+        let mut excluded: Vec<&str> = Vec::new();
         for a in &allocs {
             match cell(w, a).and_then(Cell::median) {
                 Some(m) => {
@@ -235,11 +263,21 @@ fn main() {
                         best = Some((m, a));
                     }
                 }
-                None => print!(" failed |"),
+                None => {
+                    print!(" failed |");
+                    if a != "bfc" {
+                        excluded.push(a);
+                    }
+                }
             }
         }
+        let note = if excluded.is_empty() {
+            String::new()
+        } else {
+            format!("; without failed {}", excluded.join(", "))
+        };
         match (bfc, best) {
-            (Some(b), Some((p, name))) => println!(" {:.2} ({name}) |", b / p),
+            (Some(b), Some((p, name))) => println!(" {:.2} ({name}{note}) |", b / p),
             _ => println!(" - |"),
         }
     }
