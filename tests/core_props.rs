@@ -4,14 +4,21 @@
 use std::collections::BTreeMap;
 
 use bfc_alloc::core::sim::SimSource;
-use bfc_alloc::core::{AllocError, Bfc, Chunk, Config, Resize};
+use bfc_alloc::core::{AllocError, Bfc, Chunk, Config, OomCause, Resize};
 use proptest::prelude::*;
 
 #[path = "common/ops.rs"]
 mod ops;
 use ops::Op;
 
-fn run(config: Config, ops: Vec<Op>) {
+#[path = "common/rng.rs"]
+mod rng;
+use rng::Rng;
+
+/// Runs `ops`; returns how many allocations failed for want of memory and the most regions held.
+fn run(config: Config, ops: Vec<Op>) -> (usize, usize) {
+    let limit = config.memory_limit;
+    let (mut ooms, mut max_regions) = (0, 0);
     let source = SimSource::new(1 << 44, 1 << 40);
     let mut b = Bfc::new(config, source, vec![Chunk::EMPTY; 1 << 14]).unwrap();
     // ptr -> (usable size, requested size)
@@ -27,7 +34,20 @@ fn run(config: Config, ops: Vec<Op>) {
                         assert!(usable >= size);
                         live.insert(p, (usable, size));
                     }
-                    Err(AllocError::OutOfMemory(_)) => {}
+                    Err(AllocError::OutOfMemory(r)) => {
+                        // Refused only when growing by the request would pass the limit, with
+                        // nothing changed and no free chunk that would have held the request with
+                        // its alignment slack.
+                        ooms += 1;
+                        assert_eq!(r.requested, size);
+                        assert_eq!(r.cause, OomCause::LimitReached, "{r}");
+                        assert!(r.stats.bytes_reserved + r.needed > limit, "{r}");
+                        assert!(r.stats.largest_free_block < r.needed, "{r}");
+                        assert_eq!(
+                            r.stats.bytes_in_use,
+                            live.values().map(|v| v.0).sum::<usize>()
+                        );
+                    }
                     Err(e) => panic!("unexpected error {e}"),
                 }
             }
@@ -59,6 +79,7 @@ fn run(config: Config, ops: Vec<Op>) {
         if let Err(e) = b.check() {
             panic!("{e}");
         }
+        max_regions = max_regions.max(b.stats().num_regions);
         // No two live blocks overlap.
         let mut end = 0;
         for (&p, &(usable, _)) in &live {
@@ -79,6 +100,35 @@ fn run(config: Config, ops: Vec<Op>) {
     b.check().unwrap();
     // Everything coalesced back: one free chunk per region.
     assert_eq!(b.stats().num_free_chunks, b.stats().num_regions);
+    (ooms, max_regions)
+}
+
+/// Random operations under a limit the live blocks reach: the device configuration grows region by
+/// region up to its limit, and requests past it fail cleanly (the out-of-memory branch of `run`,
+/// which the 256 MiB limit below never reaches). A fixed sequence, so that both are known to happen.
+#[test]
+fn device_config_reaches_its_limit() {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let ops: Vec<Op> = (0..2000)
+        .map(|_| match rng.next() % 7 {
+            0..=3 => Op::Alloc {
+                size: rng.log_size(1, 4 << 20),
+                align_log2: (rng.next() % 21) as u32,
+            },
+            4 | 5 => Op::Free {
+                pick: rng.next() as usize,
+            },
+            _ => Op::Resize {
+                pick: rng.next() as usize,
+                size: rng.log_size(1, 4 << 20),
+            },
+        })
+        .collect();
+    let mut c = Config::device(20 << 20);
+    c.initial_region_size = 1 << 20;
+    let (ooms, max_regions) = run(c, ops);
+    assert!(ooms > 0, "the limit was never reached");
+    assert!(max_regions > 1, "the pool never grew");
 }
 
 fn cases() -> u32 {

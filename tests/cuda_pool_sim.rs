@@ -248,14 +248,19 @@ fn limits_auto_fraction_bytes() {
         ..PoolOptions::default()
     };
     assert_eq!(pool(&dev, opts).limit(), 8 * GIB);
-    let bad = PoolOptions {
-        limit: MemoryLimit::Fraction(1.5),
-        ..PoolOptions::default()
-    };
-    assert!(matches!(
-        DevicePool::with_backend(dev.backend(), bad),
-        Err(PoolError::Config(_))
-    ));
+    // Outside (0, 1], or not a number: refused for the fraction, before anything is asked of the
+    // driver.
+    for f in [1.5, 0.0, -0.5, f64::NAN] {
+        let bad = PoolOptions {
+            limit: MemoryLimit::Fraction(f),
+            ..PoolOptions::default()
+        };
+        match DevicePool::with_backend(dev.backend(), bad) {
+            Err(PoolError::Config(what)) => assert!(what.contains("fraction"), "{f}: {what}"),
+            Err(e) => panic!("{f}: {e}"),
+            Ok(_) => panic!("{f}: accepted"),
+        }
+    }
     // Bytes, rounded down to the granule; the limit caps what is reserved.
     let p = pool(&dev, PoolOptions::with_limit(10 * MIB + 100));
     assert_eq!(p.limit(), 10 * MIB);

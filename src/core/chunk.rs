@@ -301,3 +301,61 @@ impl<T: ChunkStorage> ChunkTable<T> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// (Here, not with the engine's tests: it corrupts the table's counters, private to this
+    /// module.)
+    #[test]
+    #[cfg(feature = "std")]
+    fn the_engine_checker_sees_table_counters_that_do_not_add_up() {
+        extern crate std;
+        use crate::core::{sim::SimSource, Bfc, Chunk, Config};
+        let mut b: Bfc<SimSource, std::vec::Vec<Chunk>> = Bfc::new(
+            Config::device(1 << 30),
+            SimSource::new(1 << 40, 1 << 36),
+            std::vec![Chunk::EMPTY; 64],
+        )
+        .unwrap();
+        let p = b.allocate(256, 1).unwrap();
+        b.allocate(256, 1).unwrap();
+        b.deallocate(p).unwrap();
+        assert_eq!(b.check(), Ok(()));
+        // A high-water mark past the storage (the checker must not read past it).
+        let hw = b.table.high_water;
+        b.table.high_water = b.table.capacity() + 1;
+        assert_eq!(
+            b.check().unwrap_err().what,
+            "chunk table high-water mark beyond its capacity"
+        );
+        // One slot handed out that is neither live nor recycled.
+        b.table.high_water = hw + 1;
+        assert_eq!(
+            b.check().unwrap_err().what,
+            "recycled and live chunk records do not add up"
+        );
+        b.table.high_water = hw;
+        assert_eq!(b.check(), Ok(()));
+        // One live record fewer than the regions hold: the walk of a region's chunk list stops
+        // there (the bound that keeps a cycle from hanging the checker).
+        b.table.live -= 1;
+        assert_eq!(
+            b.check().unwrap_err().what,
+            "chunk list longer than the live records (cycle?)"
+        );
+        b.table.live += 1;
+        assert_eq!(b.check(), Ok(()));
+    }
+
+    /// Debug builds: a handle past every record handed out is caught before the unchecked read.
+    #[test]
+    #[cfg(all(feature = "std", debug_assertions))]
+    #[should_panic(expected = "h.index() < self.high_water")]
+    fn a_handle_past_the_high_water_mark_is_caught_in_debug_builds() {
+        extern crate std;
+        let mut t = super::ChunkTable::new(std::vec![super::Chunk::EMPTY; 4]);
+        let h = t.alloc(super::Chunk::EMPTY).unwrap();
+        let _ = t.get(h);
+        t.get(super::ChunkHandle::from_index(h.index() + 1));
+    }
+}

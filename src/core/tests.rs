@@ -1439,3 +1439,217 @@ fn a_limit_that_is_not_a_granule_multiple_gives_a_region_of_whole_granules() {
     alloc(&mut b, 16, 16);
     assert_eq!(b.stats().bytes_reserved, 1 << 20);
 }
+
+/// A device engine with 1 MiB first region holding four 256 B blocks in use and, after growth, a
+/// second region; returns it with the blocks.
+fn two_regions() -> (Sim, Vec<usize>) {
+    let mut cfg = Config::device(1 << 30);
+    cfg.initial_region_size = 1 << 20;
+    let mut b = engine(cfg);
+    let blocks: Vec<usize> = (0..4).map(|_| alloc(&mut b, 256, 1)).collect();
+    alloc(&mut b, 1 << 20, 1);
+    assert_eq!(b.stats().num_regions, 2);
+    (b, blocks)
+}
+
+#[test]
+fn the_checker_sees_broken_regions() {
+    let (mut b, _) = two_regions();
+    // Unsorted (the second region starts where the first does).
+    let base1 = b.regions[1].base;
+    b.regions[1].base = b.regions[0].base;
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "regions overlap or are unsorted"
+    );
+    b.regions[1].base = base1;
+    checked(&b);
+    // A region whose end wraps around the address space.
+    let size0 = b.regions[0].size;
+    b.regions[0].size = usize::MAX - b.regions[0].base + 1;
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "region wraps around the address space"
+    );
+    b.regions[0].size = size0;
+    checked(&b);
+    // A region whose chunk list is empty.
+    let first = b.regions[0].first.take();
+    assert_eq!(b.check().unwrap_err().what, "region without chunks");
+    b.regions[0].first = first;
+    checked(&b);
+    // A region whose first chunk is not at its base.
+    let second = b.table.get(first.unwrap()).next;
+    b.regions[0].first = second;
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "first chunk does not start the region"
+    );
+    b.regions[0].first = first;
+    checked(&b);
+    // Chunks that stop short of the region's end (the last chunk of the first region, free, a
+    // granule smaller: still in its bin).
+    let mut last = first.unwrap();
+    while let Some(n) = b.table.get(last).next {
+        last = n;
+    }
+    let size = b.table.get(last).size();
+    assert!(!b.table.get(last).in_use());
+    b.table.get_mut(last).set_size(size - 256);
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "chunk sizes do not sum to the region size"
+    );
+    b.table.get_mut(last).set_size(size);
+    checked(&b);
+}
+
+#[test]
+fn the_checker_sees_chunks_in_the_wrong_state() {
+    // An in-use chunk with a bin link.
+    let (mut b, blocks) = two_regions();
+    let h0 = b.lookup_in_use(blocks[0]).unwrap();
+    let h1 = b.lookup_in_use(blocks[1]).unwrap();
+    b.table.get_mut(h0).free_next = Some(h1);
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "in-use chunk linked into a bin"
+    );
+    b.table.get_mut(h0).free_next = None;
+    checked(&b);
+    // A misaligned chunk size.
+    let size = b.table.get(h0).size();
+    b.table.get_mut(h0).set_size(size - 16);
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "chunk size or address not a granule multiple"
+    );
+    b.table.get_mut(h0).set_size(size);
+    checked(&b);
+
+    // A cached chunk (host settings) linked into a bin, then cached-chunk counters that disagree.
+    let mut b = engine(Config::host(1 << 30));
+    let p = alloc(&mut b, 64, 16);
+    let q = alloc(&mut b, 64, 16);
+    free(&mut b, p);
+    assert_eq!(b.stats().num_cached_chunks, 1);
+    let hp = b.quick_heads.iter().flatten().next().copied().unwrap();
+    let hq = b.lookup_in_use(q).unwrap();
+    b.table.get_mut(hp).free_prev = Some(hq);
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "cached chunk not marked unavailable, or in a bin"
+    );
+    b.table.get_mut(hp).free_prev = None;
+    checked(&b);
+    b.cached_bytes += 16;
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "cached chunks disagree with the quick lists or the counters"
+    );
+    b.cached_bytes -= 16;
+    checked(&b);
+}
+
+#[test]
+fn the_checker_sees_a_broken_pointer_map() {
+    let mut b = engine(Config::device(1 << 30));
+    let p = alloc(&mut b, 256, 1);
+    let big = alloc(&mut b, 64 << 10, 1);
+    let _after = alloc(&mut b, 256, 1);
+    let (hp, hbig) = (b.lookup_in_use(p).unwrap(), b.lookup_in_use(big).unwrap());
+    let shift = b.block_shift;
+    let base = b.regions[0].base;
+    let map = b.regions[0].map;
+    // Block 0 names the block at `big` instead of `p`.
+    // SAFETY: block 0 is below `map_used` (a chunk starts there), and the map is valid.
+    unsafe { *map.as_ptr() = Some(hbig) };
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "pointer map does not name the first chunk of a block"
+    );
+    // SAFETY: as above.
+    unsafe { *map.as_ptr() = Some(hp) };
+    checked(&b);
+    // A block strictly inside `big` (which spans many blocks) names it.
+    let inner = ((big - base) >> shift) + 2;
+    assert!((inner + 1) << shift < big - base + (64 << 10));
+    assert!(inner < b.regions[0].map_used);
+    // SAFETY: `inner` is below `map_used`, and the map is valid.
+    unsafe { *map.as_ptr().add(inner) = Some(hbig) };
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "pointer map names a chunk inside another chunk"
+    );
+    // SAFETY: as above.
+    unsafe { *map.as_ptr().add(inner) = None };
+    checked(&b);
+}
+
+#[test]
+fn the_checker_sees_a_live_record_outside_every_region() {
+    let mut b = engine(Config::device(1 << 30));
+    let blocks: Vec<usize> = (0..3).map(|_| alloc(&mut b, 256, 1)).collect();
+    free(&mut b, blocks[0]);
+    free(&mut b, blocks[1]);
+    // A record taken from the table (a recycled slot) but linked into no region.
+    let mut c = Chunk::EMPTY;
+    c.set_size(256);
+    let h = b.table.alloc(c).unwrap();
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "live chunk records not all reachable from regions"
+    );
+    b.table.get_mut(h).set_size(0);
+    b.table.free(h);
+    checked(&b);
+}
+
+#[test]
+fn the_checker_sees_bins_that_disagree_with_the_free_chunks() {
+    // One free chunk (the region's tail) after two blocks in use, and one recycled record.
+    let fresh = || {
+        let mut b = engine(Config::device(1 << 30));
+        let p = alloc(&mut b, 256, 1);
+        let q = alloc(&mut b, 256, 1);
+        let r = alloc(&mut b, 256, 1);
+        free(&mut b, r);
+        assert_eq!(b.stats().num_free_chunks, 1);
+        (b, p, q)
+    };
+    // An in-use chunk linked (alone) into the empty bin of its size.
+    let (mut b, p, _) = fresh();
+    let h = b.lookup_in_use(p).unwrap();
+    b.bins.insert(&mut b.table, h, 1);
+    assert_eq!(b.check().unwrap_err().what, "in-use chunk in a bin");
+    // A recycled record (the last one of the recycled list) linked into a bin.
+    let (mut b, _, _) = fresh();
+    let s = b.table.free_slots().last().unwrap();
+    assert_eq!(b.table.get(s).free_next, None);
+    b.bins.insert(&mut b.table, s, 1);
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "recycled chunk record in a bin"
+    );
+    // The only free chunk linking to itself.
+    let (mut b, _, q) = fresh();
+    let tail = b.table.get(b.lookup_in_use(q).unwrap()).next.unwrap();
+    b.table.get_mut(tail).free_next = Some(tail);
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "more binned chunks than free chunks (cycle?)"
+    );
+    b.table.get_mut(tail).free_next = None;
+    checked(&b);
+    // The free chunk unlinked from its bin, with a back link to a record (recycled) whose forward
+    // link names it: the O(1) test of the region walk passes, the walk of the bins does not find it.
+    let g = b.table.get(tail).size() / 256;
+    b.bins.remove(&mut b.table, tail, g);
+    let s = b.table.free_slots().next().unwrap();
+    b.table.get_mut(s).free_next = Some(tail);
+    b.table.get_mut(tail).free_prev = Some(s);
+    assert_eq!(
+        b.check().unwrap_err().what,
+        "free chunks missing from the bins"
+    );
+}

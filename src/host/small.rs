@@ -1531,4 +1531,41 @@ mod tests {
         h.check(base(5)).unwrap();
         assert!(matches!(h.free(p), SmallFree::Freed(None)));
     }
+
+    #[test]
+    fn check_catches_a_wrong_word_summary_and_wrong_counters() {
+        let c = class_for(100, 8).unwrap();
+        let mut h = heap(8);
+        let p = alloc(&mut h, c, 4);
+        h.check(base(5)).unwrap();
+        // The span's first word has room, but its summary bit says it is full.
+        assert_ne!(h.spans[4].avail & 1, 0);
+        h.spans[4].avail &= !1;
+        assert_eq!(
+            h.check(base(5)),
+            Err("span word summary disagrees with its bitmap")
+        );
+        h.spans[4].avail |= 1;
+        h.check(base(5)).unwrap();
+        // Each counter off by one.
+        for k in 0..3 {
+            match k {
+                0 => h.objects += 1,
+                1 => h.bytes += 1,
+                _ => h.spans_live += 1,
+            }
+            assert_eq!(
+                h.check(base(5)),
+                Err("small-object counters disagree with the span table"),
+                "counter {k}"
+            );
+            match k {
+                0 => h.objects -= 1,
+                1 => h.bytes -= 1,
+                _ => h.spans_live -= 1,
+            }
+            h.check(base(5)).unwrap();
+        }
+        assert!(matches!(h.free(p), SmallFree::Freed(None)));
+    }
 }
