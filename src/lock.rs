@@ -52,7 +52,7 @@ fn loom_thread_token() -> usize {
 /// An id of the current thread: the address of a thread-local (no allocation, no registration).
 #[cfg(all(feature = "std", not(loom)))]
 #[inline(always)]
-fn thread_id() -> usize {
+pub(crate) fn thread_id() -> usize {
     std::thread_local! {
         static ID: u8 = const { 0 };
     }

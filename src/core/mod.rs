@@ -270,6 +270,10 @@ pub enum Resize {
 /// `Vec<Chunk>`, or memory the caller mapped).
 ///
 /// Not synchronised: wrap it in a lock to share it (see [`GlobalBfc`](crate::GlobalBfc)).
+///
+/// Dropping the engine gives nothing back to its source, not even its free regions or their pointer
+/// maps: call [`release_free_regions`](Self::release_free_regions) first. (A region that holds a
+/// block in use must outlive that block anyway.)
 pub struct Bfc<S, T> {
     // Immutable after construction.
     config: Config,
@@ -1349,9 +1353,11 @@ const fn round_up(x: usize, to: usize) -> Option<usize> {
     }
 }
 
+/// `x` rounded up to `align` (a power of two); the result must be representable. (`align - 1` is
+/// added as one term: `x + align` alone overflows for the highest aligned `x`.)
 #[inline]
 fn align_up(x: usize, align: usize) -> usize {
-    (x + align - 1) & !(align - 1)
+    (x + (align - 1)) & !(align - 1)
 }
 
 #[cfg(feature = "std")]

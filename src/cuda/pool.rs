@@ -246,6 +246,11 @@ pub(crate) struct Shared<B: DeviceBackend> {
     limit: usize,
     // Mutable, behind the lock.
     state: Mutex<State<B>>,
+    /// The thread running an `inspect_backend` / `with_backend_mut` closure, which holds the lock
+    /// (0: none): a call into the pool from inside the closure (a buffer dropped there, say) would
+    /// wait for that lock forever, so it panics instead.
+    #[cfg(not(loom))]
+    in_closure: core::sync::atomic::AtomicUsize,
 }
 
 impl<B: DeviceBackend> State<B> {
@@ -606,6 +611,9 @@ impl<B: DeviceBackend> Shared<B> {
         // flush, a synchronisation) still parks its waiters.
         #[cfg(not(loom))]
         for spin in 0..LOCK_SPINS {
+            if spin == LOCK_SPINS / 2 {
+                self.check_reentry();
+            }
             match self.state.try_lock() {
                 Ok(guard) => return guard,
                 Err(std::sync::TryLockError::Poisoned(e)) => return e.into_inner(),
@@ -617,6 +625,40 @@ impl<B: DeviceBackend> Shared<B> {
             }
         }
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Panics if the calling thread runs a closure of `inspect_backend` / `with_backend_mut` of
+    /// this pool (it holds the lock this thread is about to wait for).
+    #[cfg(not(loom))]
+    #[cold]
+    fn check_reentry(&self) {
+        use core::sync::atomic::Ordering::Relaxed;
+        // Only this thread stores its own id, so seeing it means this thread holds the lock.
+        if self.in_closure.load(Relaxed) == crate::lock::thread_id() {
+            panic!(
+                "bfc-alloc: the device pool was used from inside its own inspect_backend or \
+                 with_backend_mut closure (which holds the pool's lock)"
+            );
+        }
+    }
+
+    /// Runs `f` on the back end under the lock, noting this thread as inside the closure.
+    fn with_backend<R>(&self, f: impl FnOnce(&mut B) -> R) -> R {
+        let mut st = self.lock();
+        #[cfg(not(loom))]
+        let _mark = {
+            use core::sync::atomic::Ordering::Relaxed;
+            /// Clears the mark when the closure returns or unwinds (before the lock is released).
+            struct Mark<'a>(&'a core::sync::atomic::AtomicUsize);
+            impl Drop for Mark<'_> {
+                fn drop(&mut self) {
+                    self.0.store(0, Relaxed);
+                }
+            }
+            self.in_closure.store(crate::lock::thread_id(), Relaxed);
+            Mark(&self.in_closure)
+        };
+        f(st.backend())
     }
 
     /// Allocates a block of at least `bytes` for use on `stream`: `(address, usable size)`.
@@ -808,6 +850,8 @@ impl<B: DeviceBackend> DevicePool<B> {
                     reuses: 0,
                     errors: Vec::new(),
                 }),
+                #[cfg(not(loom))]
+                in_closure: core::sync::atomic::AtomicUsize::new(0),
             }),
         })
     }
@@ -922,8 +966,13 @@ impl<B: DeviceBackend> DevicePool<B> {
     }
 
     /// Calls `f` with the back end (under the pool's lock; `f` must not use this pool).
+    ///
+    /// # Panics
+    ///
+    /// If `f` calls into this pool in a way that takes its lock (most methods, and the drop of one
+    /// of its buffers): that would wait for the lock `f` runs under.
     pub fn inspect_backend<R>(&self, f: impl FnOnce(&B) -> R) -> R {
-        f(self.shared.lock().backend())
+        self.shared.with_backend(|b| f(b))
     }
 
     /// Calls `f` with the back end, mutably (under the pool's lock; `f` must not use this pool).
@@ -935,7 +984,11 @@ impl<B: DeviceBackend> DevicePool<B> {
     /// from it; it may queue work on a block only as the block's owner may (a live buffer's, on
     /// its home stream, ordered as [`DeviceBuffer::zero`] does). The pool frees its regions
     /// through the back end and trusts its answers.
+    ///
+    /// # Panics
+    ///
+    /// If `f` uses this pool, as for [`inspect_backend`](Self::inspect_backend).
     pub unsafe fn with_backend_mut<R>(&self, f: impl FnOnce(&mut B) -> R) -> R {
-        f(self.shared.lock().backend())
+        self.shared.with_backend(f)
     }
 }

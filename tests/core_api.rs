@@ -1,0 +1,219 @@
+//! Edge cases of the no_std engine's public API, with the simulated source.
+
+use bfc_alloc::core::sim::SimSource;
+use bfc_alloc::{Bfc, Chunk, Config};
+
+fn run(config: Config, base: usize, cap: usize, table_len: usize) {
+    let mut bfc = match Bfc::new(
+        config,
+        SimSource::new(base, cap),
+        vec![Chunk::EMPTY; table_len],
+    ) {
+        Ok(b) => b,
+        Err(e) => {
+            println!("refused: {e}");
+            return;
+        }
+    };
+    let mut live: Vec<(usize, usize)> = Vec::new();
+    let mut x = 12345u64;
+    for i in 0..3000usize {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let size = [
+            0,
+            1,
+            7,
+            255,
+            256,
+            4097,
+            1 << 20,
+            3 << 20,
+            usize::MAX,
+            usize::MAX - 10,
+        ][x as usize % 10];
+        let align = [0, 1, 3, 8, 256, 4096, 1 << 21, 1 << 30, 1 << 63][(x >> 8) as usize % 9];
+        if std::env::var("AUDIT_TRACE").is_ok() {
+            println!("alloc {size:#x} {align:#x} live {}", live.len());
+        }
+        if let Ok(b) = bfc.allocate_block(size, align) {
+            assert!(align == 0 || b.ptr % align == 0);
+            assert!(b.size >= size.max(1));
+            assert!(b.ptr >= base && b.ptr - base + b.size <= cap);
+            for &(p, s) in &live {
+                assert!(b.ptr + b.size <= p || p + s <= b.ptr, "overlap");
+            }
+            live.push((b.ptr, b.size));
+        }
+        if i % 2 == 0 && !live.is_empty() {
+            let (p, _) = live.swap_remove((x >> 20) as usize % live.len());
+            bfc.deallocate(p).unwrap();
+        }
+        if i % 7 == 0 && !live.is_empty() {
+            let k = (x >> 30) as usize % live.len();
+            let ns = [0usize, 1, 100, 5000, 1 << 21, usize::MAX][(x >> 40) as usize % 6];
+            if let Ok(r) = bfc.resize_in_place(live[k].0, ns) {
+                let _ = r;
+                live[k].1 = bfc.usable_size(live[k].0).unwrap();
+            }
+        }
+        // Foreign pointers are refused.
+        for q in [
+            base.wrapping_sub(1),
+            base.wrapping_add(cap),
+            0usize,
+            usize::MAX,
+            base + 1,
+        ] {
+            if !live.iter().any(|&(p, _)| p == q) {
+                assert!(bfc.usable_size(q).is_err());
+            }
+        }
+    }
+    bfc.check().unwrap();
+    for (p, _) in live {
+        bfc.deallocate(p).unwrap();
+    }
+    bfc.flush_quick_lists();
+    bfc.release_free_regions();
+    bfc.check().unwrap();
+    assert_eq!(bfc.source().bytes_live(), 0);
+}
+
+#[test]
+fn odd_configs_tables_and_address_ranges() {
+    let configs = [
+        Config::device(1 << 30),
+        Config::host(1 << 30),
+        Config {
+            granule: 8,
+            map_block_granules: 1,
+            split_ratio: 0,
+            max_internal_fragmentation: 0,
+            fit_scan: usize::MAX,
+            ..Config::host(64 << 20)
+        },
+        Config {
+            granule: 1 << 21,
+            map_block_granules: 1 << 20,
+            ..Config::device(usize::MAX)
+        },
+        Config {
+            initial_region_size: usize::MAX,
+            ..Config::device(usize::MAX)
+        },
+        Config {
+            initial_region_size: 1,
+            split_ratio: 1,
+            ..Config::device(1 << 30)
+        },
+        Config {
+            allow_growth: false,
+            initial_region_size: 0,
+            memory_limit: 0,
+            ..Config::device(0)
+        },
+        Config {
+            allow_growth: false,
+            initial_region_size: usize::MAX,
+            ..Config::device(usize::MAX)
+        },
+        Config {
+            quick_max_size: 64 * 16,
+            quick_depth: 65535,
+            ..Config::host(usize::MAX)
+        },
+    ];
+    for c in configs {
+        for &(base, cap) in &[
+            (1usize << 40, 1usize << 32),
+            (0, 1 << 30),
+            (usize::MAX - (1 << 30) + 1, (1 << 30) - 1),
+        ] {
+            for table in [0usize, 1, 2, 3, 64, 100_000] {
+                println!("{c:?} base {base:#x} table {table}");
+                run(c, base, cap, table);
+            }
+        }
+    }
+}
+
+/// A source whose range ends at the top of the address space (the `MemorySource` contract only
+/// forbids regions that wrap). An aligned request for a chunk starting at the highest multiple of
+/// the alignment overflowed in `align_up` (`x + align - 1` computed `x + align` first): a panic
+/// with overflow checks on.
+#[test]
+fn aligned_request_near_top_of_address_space() {
+    let base = usize::MAX - (1 << 30) + 1;
+    let mut bfc = Bfc::new(
+        Config::device(1 << 30),
+        SimSource::new(base, (1 << 30) - 1),
+        vec![Chunk::EMPTY; 64],
+    )
+    .unwrap();
+    let a = bfc.allocate(1, 1).unwrap();
+    assert_eq!(a, base);
+    bfc.deallocate(a).unwrap();
+    let b = bfc.allocate_block(0x100, 1 << 30).unwrap();
+    assert_eq!(b.ptr, base);
+    bfc.deallocate(b.ptr).unwrap();
+    bfc.check().unwrap();
+}
+
+/// A source that counts the regions it has out, through a handle the test keeps.
+struct Counting {
+    inner: SimSource,
+    out: std::rc::Rc<std::cell::Cell<usize>>,
+}
+
+// SAFETY: forwards to `SimSource` (which keeps the promises), only counting.
+unsafe impl bfc_alloc::MemorySource for Counting {
+    fn alloc_region(&mut self, size: usize, align: usize) -> Option<usize> {
+        let r = self.inner.alloc_region(size, align);
+        if r.is_some() {
+            self.out.set(self.out.get() + 1);
+        }
+        r
+    }
+    unsafe fn free_region(&mut self, base: usize, size: usize) {
+        self.out.set(self.out.get() - 1);
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.free_region(base, size) }
+    }
+    fn alloc_map(
+        &mut self,
+        region_base: usize,
+        entries: usize,
+    ) -> Option<std::ptr::NonNull<Option<bfc_alloc::ChunkHandle>>> {
+        self.inner.alloc_map(region_base, entries)
+    }
+    unsafe fn free_map(
+        &mut self,
+        region_base: usize,
+        map: std::ptr::NonNull<Option<bfc_alloc::ChunkHandle>>,
+        entries: usize,
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.free_map(region_base, map, entries) }
+    }
+}
+
+/// Releasing the free regions before dropping the engine (which gives nothing back itself) returns
+/// them; a region that still holds a block stays out.
+#[test]
+fn release_before_drop_returns_the_free_regions() {
+    let out = std::rc::Rc::new(std::cell::Cell::new(0));
+    let source = Counting {
+        inner: SimSource::new(1 << 40, 1 << 32),
+        out: out.clone(),
+    };
+    let mut bfc = Bfc::new(Config::device(1 << 32), source, vec![Chunk::EMPTY; 64]).unwrap();
+    let _kept = bfc.allocate(1 << 20, 256).unwrap();
+    let b = bfc.allocate(8 << 20, 256).unwrap();
+    assert_eq!(bfc.stats().num_regions, 2);
+    bfc.deallocate(b).unwrap();
+    bfc.release_free_regions();
+    drop(bfc);
+    assert_eq!(out.get(), 1);
+}
