@@ -727,7 +727,7 @@ fn dirty_then_zeroed(a: &GlobalBfc, layout: Layout, between: impl FnOnce()) -> *
 
 #[test]
 #[cfg_attr(miri, ignore = "Miri has no mincore")]
-fn the_free_top_keeps_twice_the_largest_freed_block() {
+fn the_free_top_keeps_four_times_the_largest_freed_block() {
     let a = big_instance();
     let mb = 1 << 20;
     let l = Layout::from_size_align(2 * mb, 4096).unwrap();
@@ -744,10 +744,10 @@ fn the_free_top_keeps_twice_the_largest_freed_block() {
         // SAFETY: `p` came from `a.alloc(l)`, freed once.
         unsafe { a.dealloc(p, l) };
     }
-    // The last free merged everything into the free top: 16 MiB touched, twice the largest
-    // freed block (4 MiB) kept, the rest given back.
-    assert_eq!(brk(&a), start + 4 * mb);
-    assert_eq!(resident_pages((start + 4 * mb) as *mut u8, 12 * mb), 0);
+    // The last free merged everything into the free top: 16 MiB touched, four times the largest
+    // freed block (8 MiB) kept, the rest given back.
+    assert_eq!(brk(&a), start + 8 * mb);
+    assert_eq!(resident_pages((start + 8 * mb) as *mut u8, 8 * mb), 0);
     assert_eq!(a.check(), Ok(()));
 }
 
@@ -756,7 +756,7 @@ fn the_free_top_keeps_twice_the_largest_freed_block() {
 fn a_huge_block_freed_at_the_top_goes_back_whole() {
     let a = big_instance();
     let mb = 1 << 20;
-    // Raise the retained amount to 20 MiB with an interior free.
+    // Raise the retained amount to 40 MiB with an interior free.
     let mid = Layout::from_size_align(10 * mb, 4096).unwrap();
     let guard = Layout::from_size_align(64 << 10, 4096).unwrap();
     // SAFETY: non-zero sizes.
@@ -1065,7 +1065,7 @@ fn a_free_of_exactly_the_threshold_counts_toward_the_policy() {
     unsafe { a.dealloc(x, l) };
     assert_eq!(
         a.with_heap(|h| (h.retain, h.dirty)).unwrap(),
-        (retain.max(2 * mb), dirty + mb)
+        (retain.max(RETAIN_BLOCKS * mb), dirty + mb)
     );
     // SAFETY: from `a.alloc`, freed once.
     unsafe {
