@@ -124,6 +124,61 @@ impl<T> SpinLock<T> {
         }
     }
 
+    /// Writes a new unlocked lock to `dst`, as [`with_reentry_handler`](Self::with_reentry_handler)
+    /// builds it, with its value written in place by `init`: for a value too large to build on
+    /// the stack first. When `init` fails, the lock is not written.
+    ///
+    /// # Safety
+    ///
+    /// `dst` is valid for writes of `Self` and aligned; whatever it held is overwritten, not
+    /// dropped. `init` gets a pointer valid for writes of `T`: it must initialise it when it
+    /// returns `Ok`, and leave nothing there that needs dropping when it returns `Err`.
+    #[cfg_attr(
+        not(all(feature = "host", unix)),
+        allow(dead_code, reason = "the host heap builds its lock in place")
+    )]
+    pub(crate) unsafe fn write_with<E>(
+        dst: *mut Self,
+        on_reentry: fn() -> !,
+        init: impl FnOnce(*mut T) -> Result<(), E>,
+    ) -> Result<(), E> {
+        use core::ptr::addr_of_mut;
+        let _ = on_reentry;
+        // SAFETY: `dst` is valid for writes and aligned (the caller's contract), so is each field;
+        // the cell writes the value through `init` (whose contract is the caller's), then each
+        // other field is written once, with the value `build` gives it.
+        unsafe {
+            UnsafeCell::write_with(addr_of_mut!((*dst).value), init)?;
+            addr_of_mut!((*dst).locked).write(AtomicBool::new(false));
+            #[cfg(all(any(feature = "std", all(feature = "host", unix)), not(loom)))]
+            {
+                addr_of_mut!((*dst).owner).write(crate::sync::AtomicUsize::new(0));
+                addr_of_mut!((*dst).on_reentry).write(Some(on_reentry));
+            }
+            #[cfg(all(test, any(feature = "std", all(feature = "host", unix)), not(loom)))]
+            addr_of_mut!((*dst).reentry_checks).write(crate::sync::AtomicUsize::new(0));
+            #[cfg(loom)]
+            addr_of_mut!((*dst).holder).write(crate::sync::UnmodelledAtomicUsize::new(0));
+        }
+        // Every field is written above: this pattern names them all, so a new field fails to
+        // compile here until it is written too.
+        let _every_field = |l: &Self| {
+            let SpinLock {
+                locked: _,
+                value: _,
+                #[cfg(all(any(feature = "std", all(feature = "host", unix)), not(loom)))]
+                    owner: _,
+                #[cfg(all(any(feature = "std", all(feature = "host", unix)), not(loom)))]
+                    on_reentry: _,
+                #[cfg(all(test, any(feature = "std", all(feature = "host", unix)), not(loom)))]
+                    reentry_checks: _,
+                #[cfg(loom)]
+                    holder: _,
+            } = l;
+        };
+        Ok(())
+    }
+
     /// Loom build: as [`new`](Self::new) (loom threads share one OS thread, so no detection).
     #[cfg(loom)]
     pub fn with_reentry_handler(value: T, _on_reentry: fn() -> !) -> Self {

@@ -31,36 +31,74 @@ pub(crate) use core::sync::atomic::{
 };
 
 /// `UnsafeCell` with loom's closure-based access API on both builds.
+///
+/// The value is in a plain `UnsafeCell` on both builds, so that it can be written in place
+/// ([`UnsafeCell::write_with`]); loom builds add a cell of `()` through which every access goes,
+/// so that loom still checks each access for a race.
 #[derive(Debug)]
-pub(crate) struct UnsafeCell<T>(
-    #[cfg(not(loom))] core::cell::UnsafeCell<T>,
-    #[cfg(loom)] loom::cell::UnsafeCell<T>,
-);
+pub(crate) struct UnsafeCell<T> {
+    value: core::cell::UnsafeCell<T>,
+    #[cfg(loom)]
+    track: loom::cell::UnsafeCell<()>,
+}
 
 impl<T> UnsafeCell<T> {
     #[cfg(not(loom))]
     pub(crate) const fn new(value: T) -> Self {
-        UnsafeCell(core::cell::UnsafeCell::new(value))
+        UnsafeCell {
+            value: core::cell::UnsafeCell::new(value),
+        }
     }
 
     #[cfg(loom)]
     pub(crate) fn new(value: T) -> Self {
-        UnsafeCell(loom::cell::UnsafeCell::new(value))
+        UnsafeCell {
+            value: core::cell::UnsafeCell::new(value),
+            track: loom::cell::UnsafeCell::new(()),
+        }
+    }
+
+    /// Writes a new cell to `this`, with its value written in place by `init` (for a value too
+    /// large to build on the stack first). When `init` fails, the cell is not written.
+    ///
+    /// # Safety
+    ///
+    /// `this` is valid for writes of `Self` and aligned; whatever it held is overwritten, not
+    /// dropped. `init` gets a pointer valid for writes of `T`: it must initialise it when it
+    /// returns `Ok`, and leave nothing there that needs dropping when it returns `Err`.
+    #[cfg_attr(
+        not(all(feature = "host", unix)),
+        allow(dead_code, reason = "the host heap builds its lock in place")
+    )]
+    pub(crate) unsafe fn write_with<E>(
+        this: *mut Self,
+        init: impl FnOnce(*mut T) -> Result<(), E>,
+    ) -> Result<(), E> {
+        // SAFETY: by the contract, `this` is valid for writes, so are its fields; no reference to
+        // the uninitialised value is made.
+        unsafe {
+            init(core::cell::UnsafeCell::raw_get(core::ptr::addr_of!(
+                (*this).value
+            )))?;
+            #[cfg(loom)]
+            core::ptr::addr_of_mut!((*this).track).write(loom::cell::UnsafeCell::new(()));
+        }
+        Ok(())
     }
 
     /// Runs `f` with a mutable raw pointer to the value.
     #[inline]
     pub(crate) fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
         #[cfg(not(loom))]
-        return f(self.0.get());
+        return f(self.value.get());
         #[cfg(loom)]
-        return self.0.with_mut(f);
+        return self.track.with_mut(|_| f(self.value.get()));
     }
 
     /// Loom build: runs `f` with a shared raw pointer to the value (loom records a read).
     #[cfg(all(loom, feature = "host"))]
     pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
-        self.0.with(f)
+        self.track.with(|_| f(self.value.get()))
     }
 }
 

@@ -199,10 +199,33 @@ unsafe impl bfc_alloc::MemorySource for Counting {
     }
 }
 
-/// Releasing the free regions before dropping the engine (which gives nothing back itself) returns
-/// them; a region that still holds a block stays out.
+/// Dropping an engine whose regions are all free gives them back to the source (as TensorFlow's
+/// `BFCAllocator` destructor frees every region).
 #[test]
-fn release_before_drop_returns_the_free_regions() {
+fn dropping_an_idle_engine_returns_its_regions() {
+    let out = std::rc::Rc::new(std::cell::Cell::new(0));
+    let source = Counting {
+        inner: SimSource::new(1 << 40, 1 << 32),
+        out: out.clone(),
+    };
+    let mut bfc = Bfc::new(Config::device(1 << 32), source, vec![Chunk::EMPTY; 64]).unwrap();
+    let a = bfc.allocate(1 << 20, 256).unwrap();
+    let b = bfc.allocate(8 << 20, 256).unwrap();
+    bfc.deallocate(a).unwrap();
+    bfc.deallocate(b).unwrap();
+    assert_eq!(out.get(), 2);
+    drop(bfc);
+    assert_eq!(
+        out.get(),
+        0,
+        "regions still out after the engine was dropped"
+    );
+}
+
+/// A region that still holds a block in use stays out when the engine is dropped (the block's user
+/// may still need it); the free one goes back.
+#[test]
+fn dropping_an_engine_keeps_the_regions_that_hold_blocks() {
     let out = std::rc::Rc::new(std::cell::Cell::new(0));
     let source = Counting {
         inner: SimSource::new(1 << 40, 1 << 32),
@@ -213,7 +236,6 @@ fn release_before_drop_returns_the_free_regions() {
     let b = bfc.allocate(8 << 20, 256).unwrap();
     assert_eq!(bfc.stats().num_regions, 2);
     bfc.deallocate(b).unwrap();
-    bfc.release_free_regions();
     drop(bfc);
     assert_eq!(out.get(), 1);
 }

@@ -379,3 +379,24 @@ fn instance_moved_after_use() {
     moved_again.check().unwrap();
     assert_eq!(moved_again.stats().bytes_in_use, 0);
 }
+
+/// An instance's first use (its initialisation) fits a thread with a small stack: the heap, over
+/// 8 KiB, is built in place, not on the stack (before, a release build needed more than 32 KiB).
+#[test]
+fn first_use_fits_a_thread_with_a_32_kib_stack() {
+    let t = std::thread::Builder::new()
+        .stack_size(32 << 10)
+        .spawn(|| {
+            let a = small(true);
+            let l = Layout::from_size_align(100_000, 8).unwrap();
+            // SAFETY: a non-zero size; freed once with the same layout.
+            unsafe {
+                let p = a.alloc(l);
+                assert!(!p.is_null());
+                a.dealloc(p, l);
+            }
+            assert_eq!(a.check(), Ok(()));
+        })
+        .unwrap();
+    t.join().unwrap();
+}

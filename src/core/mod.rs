@@ -151,6 +151,39 @@ impl Config {
         }
     }
 
+    /// Bytes of arena each pointer-map entry describes.
+    const fn map_block(&self) -> usize {
+        self.granule * self.map_block_granules
+    }
+
+    /// An engine's first region size (0 without growth).
+    const fn first_region_size(&self) -> usize {
+        if !self.allow_growth {
+            return 0;
+        }
+        match round_up(self.initial_region_size, self.granule) {
+            Some(size) => size,
+            None => usize::MAX,
+        }
+    }
+
+    /// A new engine's statistics.
+    fn initial_stats(&self) -> Stats {
+        Stats {
+            bytes_limit: self.memory_limit,
+            ..Stats::default()
+        }
+    }
+
+    /// The largest size the quick lists keep, in granules (0 without quick lists).
+    const fn quick_max_granules(&self) -> usize {
+        if self.quick_depth == 0 {
+            0
+        } else {
+            self.quick_max_size >> self.granule.trailing_zeros()
+        }
+    }
+
     /// Checks the parameters; `Err` names the first bad one.
     pub const fn validate(&self) -> Result<(), &'static str> {
         if !self.granule.is_power_of_two() || self.granule < 8 || self.granule > REGION_ALIGN_MAX {
@@ -271,10 +304,10 @@ pub enum Resize {
 ///
 /// Not synchronised: wrap it in a lock to share it (see [`GlobalBfc`](crate::GlobalBfc)).
 ///
-/// Dropping the engine gives nothing back to its source, not even its free regions or their pointer
-/// maps: call [`release_free_regions`](Self::release_free_regions) first. (A region that holds a
-/// block in use must outlive that block anyway.)
-pub struct Bfc<S, T> {
+/// Dropping the engine gives its free regions (and their pointer maps) back to the source, as
+/// [`release_free_regions`](Self::release_free_regions) does. A region that still holds a block in
+/// use stays with the source: the engine cannot know when that block's last use ends.
+pub struct Bfc<S: MemorySource, T: ChunkStorage> {
     // Immutable after construction.
     config: Config,
     /// `log2(granule)`.
@@ -307,43 +340,105 @@ pub struct Bfc<S, T> {
 
 // SAFETY: the raw map pointers in `regions` point to storage owned exclusively by this engine (the
 // source's contract); moving the engine to another thread moves that ownership with it.
-unsafe impl<S: Send, T: Send> Send for Bfc<S, T> {}
+unsafe impl<S: MemorySource + Send, T: ChunkStorage + Send> Send for Bfc<S, T> {}
+
+impl<S: MemorySource, T: ChunkStorage> Drop for Bfc<S, T> {
+    fn drop(&mut self) {
+        self.release_free_regions();
+    }
+}
 
 impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     /// Creates an engine over `source`, with chunk records stored in `table` (its length is the
     /// capacity; its contents are overwritten as needed). Nothing is obtained from the source yet.
     pub fn new(config: Config, source: S, table: T) -> Result<Self, &'static str> {
         config.validate()?;
-        let block = config.granule * config.map_block_granules;
         Ok(Bfc {
             config,
             granule_shift: config.granule.trailing_zeros(),
-            block_shift: block.trailing_zeros(),
+            block_shift: config.map_block().trailing_zeros(),
             source,
             table: ChunkTable::new(table),
             bins: Bins::new(),
             regions: [Region::EMPTY; MAX_REGIONS],
             num_regions: 0,
-            next_region_size: if config.allow_growth {
-                round_up(config.initial_region_size, config.granule).unwrap_or(usize::MAX)
-            } else {
-                0
-            },
-            stats: Stats {
-                bytes_limit: config.memory_limit,
-                ..Stats::default()
-            },
+            next_region_size: config.first_region_size(),
+            stats: config.initial_stats(),
             in_use_chunks: 0,
             quick_heads: [None; QUICK_MAX_GRANULES + 1],
             quick_len: [0; QUICK_MAX_GRANULES + 1],
-            quick_max_g: if config.quick_depth == 0 {
-                0
-            } else {
-                config.quick_max_size >> config.granule.trailing_zeros()
-            },
+            quick_max_g: config.quick_max_granules(),
             cached_bytes: 0,
             cached_chunks: 0,
         })
+    }
+
+    /// [`new`](Self::new), written to `dst` field by field: the engine is about 8 KiB, and a caller that
+    /// keeps it elsewhere (the host heap keeps it in its metadata mapping) need not build it on
+    /// its stack first. Writes nothing when it fails.
+    ///
+    /// # Safety
+    ///
+    /// `dst` is valid for writes of `Self` and aligned. Whatever it held is overwritten, not
+    /// dropped.
+    #[cfg_attr(
+        not(all(feature = "host", unix)),
+        allow(dead_code, reason = "the host heap builds its engine in place")
+    )]
+    pub(crate) unsafe fn write_new(
+        dst: *mut Self,
+        config: Config,
+        source: S,
+        table: T,
+    ) -> Result<(), &'static str> {
+        use core::ptr::addr_of_mut;
+        config.validate()?;
+        // Every field is written below: this pattern names them all, so a new field fails to
+        // compile here until it is written too.
+        let _every_field = |b: &Self| {
+            let Bfc {
+                config: _,
+                granule_shift: _,
+                block_shift: _,
+                source: _,
+                table: _,
+                bins: _,
+                regions: _,
+                num_regions: _,
+                next_region_size: _,
+                stats: _,
+                in_use_chunks: _,
+                quick_heads: _,
+                quick_len: _,
+                quick_max_g: _,
+                cached_bytes: _,
+                cached_chunks: _,
+            } = b;
+        };
+        // SAFETY: `dst` is valid for writes and aligned (the caller's contract), so is each of its
+        // fields; each is written once, by value or element by element.
+        unsafe {
+            addr_of_mut!((*dst).config).write(config);
+            addr_of_mut!((*dst).granule_shift).write(config.granule.trailing_zeros());
+            addr_of_mut!((*dst).block_shift).write(config.map_block().trailing_zeros());
+            addr_of_mut!((*dst).source).write(source);
+            addr_of_mut!((*dst).table).write(ChunkTable::new(table));
+            addr_of_mut!((*dst).bins).write(Bins::new());
+            let regions = addr_of_mut!((*dst).regions).cast::<Region>();
+            for i in 0..MAX_REGIONS {
+                regions.add(i).write(Region::EMPTY);
+            }
+            addr_of_mut!((*dst).num_regions).write(0);
+            addr_of_mut!((*dst).next_region_size).write(config.first_region_size());
+            addr_of_mut!((*dst).stats).write(config.initial_stats());
+            addr_of_mut!((*dst).in_use_chunks).write(0);
+            addr_of_mut!((*dst).quick_heads).write([None; QUICK_MAX_GRANULES + 1]);
+            addr_of_mut!((*dst).quick_len).write([0; QUICK_MAX_GRANULES + 1]);
+            addr_of_mut!((*dst).quick_max_g).write(config.quick_max_granules());
+            addr_of_mut!((*dst).cached_bytes).write(0);
+            addr_of_mut!((*dst).cached_chunks).write(0);
+        }
+        Ok(())
     }
 
     /// The parameters.

@@ -122,7 +122,7 @@ mod small;
 mod tcache;
 
 use core::alloc::{GlobalAlloc, Layout};
-use core::ptr::{self, NonNull};
+use core::ptr::{self, addr_of_mut, NonNull};
 
 use crate::core::{
     AllocError, Allocated, Bfc, CheckError, Chunk, Config, FreeError, Freed, Resize, Stats,
@@ -820,65 +820,101 @@ impl Heap {
             quick_depth: 0,
             ..engine_config
         };
-        let bfc = match Bfc::new(engine_config, source, table) {
-            Ok(b) => b,
-            Err(_) => {
-                // (Unreachable with a validated `HostConfig`, but nothing is kept reserved.)
-                // SAFETY: both reservations were just made; nothing in them is used (the engine
-                // that would have used them was not built).
-                unsafe {
-                    os::unreserve(arena_mapping, arena_mapping_size);
-                    os::unreserve(meta_mapping, meta_mapping_size);
-                }
-                return None;
-            }
-        };
-        let heap = Heap {
-            bfc,
-            small: SmallHeap::new(arena, page, spans, classes, sets),
-            peak: 0,
-            largest: 0,
-            span_allocs: 0,
-            dirty: 0,
-            retain: config.release_threshold,
-            release_threshold: config.release_threshold,
-            #[cfg(feature = "std")]
-            id: NEXT_ID.fetch_add(1, core::sync::atomic::Ordering::Relaxed),
-            #[cfg(feature = "std")]
-            caches: 0,
-            #[cfg(feature = "std")]
-            fork_gen: fork_generation(),
-            #[cfg(feature = "std")]
-            transfer: tcache::Transfer::new(transfer),
-            arena_end: arena + arena_size,
-            brk: arena,
-            page,
-        };
-        let id = heap.id();
+        // The heap's process-unique id (0 without `std`, which has no thread caches).
+        #[cfg(feature = "std")]
+        let id = NEXT_ID.fetch_add(1, core::sync::atomic::Ordering::Relaxed);
+        #[cfg(not(feature = "std"))]
+        let id = 0;
         let anchor = meta_mapping
             .as_ptr()
             .wrapping_add(anchor_at)
             .cast::<Anchor>();
+        // Built in place: the heap is over 8 KiB, and this may run on a thread with a small
+        // stack (whose first allocation this is).
+        let write_heap = |heap: *mut Heap| {
+            // SAFETY: `heap` is valid for writes and aligned (`write_with`'s contract); the engine
+            // is written first, so a failure leaves nothing written.
+            unsafe { Bfc::write_new(addr_of_mut!((*heap).bfc), engine_config, source, table)? };
+            // SAFETY: as above; each other field is written once.
+            unsafe {
+                addr_of_mut!((*heap).small)
+                    .write(SmallHeap::new(arena, page, spans, classes, sets));
+                addr_of_mut!((*heap).peak).write(0);
+                addr_of_mut!((*heap).largest).write(0);
+                addr_of_mut!((*heap).span_allocs).write(0);
+                addr_of_mut!((*heap).dirty).write(0);
+                addr_of_mut!((*heap).retain).write(config.release_threshold);
+                addr_of_mut!((*heap).release_threshold).write(config.release_threshold);
+                #[cfg(feature = "std")]
+                {
+                    addr_of_mut!((*heap).id).write(id);
+                    addr_of_mut!((*heap).caches).write(0);
+                    addr_of_mut!((*heap).fork_gen).write(fork_generation());
+                    addr_of_mut!((*heap).transfer).write(tcache::Transfer::new(transfer));
+                }
+                addr_of_mut!((*heap).arena_end).write(arena + arena_size);
+                addr_of_mut!((*heap).brk).write(arena);
+                addr_of_mut!((*heap).page).write(page);
+            }
+            // Every field is written above: this pattern names them all, so a new field fails to
+            // compile here until it is written too.
+            let _every_field = |h: &Heap| {
+                let Heap {
+                    bfc: _,
+                    small: _,
+                    peak: _,
+                    largest: _,
+                    span_allocs: _,
+                    dirty: _,
+                    retain: _,
+                    release_threshold: _,
+                    #[cfg(feature = "std")]
+                        id: _,
+                    #[cfg(feature = "std")]
+                        caches: _,
+                    #[cfg(feature = "std")]
+                        fork_gen: _,
+                    #[cfg(feature = "std")]
+                        transfer: _,
+                    arena_end: _,
+                    brk: _,
+                    page: _,
+                } = h;
+            };
+            Ok::<(), &'static str>(())
+        };
         // SAFETY: the anchor area lies inside the fresh metadata reservation, page-aligned (so
         // aligned for `Anchor`), large enough, and used by nothing else; it stays mapped until
-        // `drop`.
+        // `drop`. `write_heap` initialises the heap when it returns `Ok`, and writes nothing when
+        // it fails.
+        let built =
+            unsafe { SpinLock::write_with(addr_of_mut!((*anchor).heap), reentered, write_heap) };
+        if built.is_err() {
+            // (Unreachable with a validated `HostConfig`, but nothing is kept reserved.)
+            // SAFETY: both reservations were just made; nothing in them is used (the engine that
+            // would have used them was not built).
+            unsafe {
+                os::unreserve(arena_mapping, arena_mapping_size);
+                os::unreserve(meta_mapping, meta_mapping_size);
+            }
+            return None;
+        }
+        // SAFETY: as above; the heap is written, and so is every other field of the anchor here.
         unsafe {
-            anchor.write(Anchor {
-                heap: SpinLock::with_reentry_handler(heap, reentered),
-                next: core::sync::atomic::AtomicUsize::new(0),
+            addr_of_mut!((*anchor).next).write(core::sync::atomic::AtomicUsize::new(0));
+            #[cfg(loom)]
+            addr_of_mut!((*anchor).dropped).write(crate::sync::UnmodelledAtomicBool::new(false));
+        }
+        // Every field is written above (see the heap's).
+        let _every_field = |a: &Anchor| {
+            let Anchor {
+                heap: _,
+                next: _,
                 #[cfg(loom)]
-                dropped: crate::sync::UnmodelledAtomicBool::new(false),
-            })
+                    dropped: _,
+            } = a;
         };
         NonNull::new(anchor).map(|a| (a, id))
-    }
-
-    /// The heap's process-unique id (0 without `std`, which has no thread caches).
-    fn id(&self) -> usize {
-        #[cfg(feature = "std")]
-        return self.id;
-        #[cfg(not(feature = "std"))]
-        return 0;
     }
 
     /// Notes that `ptr..ptr + size` was handed out.
