@@ -307,6 +307,8 @@ pub enum Resize {
 /// Dropping the engine gives its free regions (and their pointer maps) back to the source, as
 /// [`release_free_regions`](Self::release_free_regions) does. A region that still holds a block in
 /// use stays with the source: the engine cannot know when that block's last use ends.
+/// With feature `std`, an engine dropped while a panic unwinds gives nothing back (it may be the
+/// engine that panicked, and a source that panicked may panic again, which would abort).
 pub struct Bfc<S: MemorySource, T: ChunkStorage> {
     // Immutable after construction.
     config: Config,
@@ -344,6 +346,14 @@ unsafe impl<S: MemorySource + Send, T: ChunkStorage + Send> Send for Bfc<S, T> {
 
 impl<S: MemorySource, T: ChunkStorage> Drop for Bfc<S, T> {
     fn drop(&mut self) {
+        // Not while a panic unwinds (with `std`, which can tell): the engine may be the one that
+        // panicked, half-updated, and a source that panicked in a free may panic again, which
+        // during an unwind aborts the process. The regions then stay with the source. (Without
+        // `std` the regions are released regardless.)
+        #[cfg(feature = "std")]
+        if ::std::thread::panicking() {
+            return;
+        }
         self.release_free_regions();
     }
 }

@@ -1657,3 +1657,163 @@ fn the_checker_sees_bins_that_disagree_with_the_free_chunks() {
         "free chunks missing from the bins"
     );
 }
+
+/// Builds an engine with [`Bfc::write_new`] in uninitialised memory (as the host heap does).
+fn written_engine(config: Config) -> std::boxed::Box<Sim> {
+    let mut slot = std::boxed::Box::<Sim>::new_uninit();
+    // SAFETY: the box's memory is valid for writes of `Sim` and aligned; it holds nothing.
+    unsafe {
+        Bfc::write_new(
+            slot.as_mut_ptr(),
+            config,
+            SimSource::new(BASE, 1 << 36),
+            vec![Chunk::EMPTY; 4096],
+        )
+        .unwrap();
+        // SAFETY: `write_new` returned `Ok`, so every field is written.
+        slot.assume_init()
+    }
+}
+
+/// `write_new` builds the engine `new` builds: the same fields, statistics, checker verdict, and
+/// the same answers (addresses, sizes, source requests) to one sequence of calls, for configs with
+/// and without growth and quick lists. (Under Miri, a field `write_new` skipped is a read of
+/// uninitialised memory.)
+#[test]
+fn write_new_builds_the_engine_new_builds() {
+    let mut host = Config::host(8 << 20);
+    host.initial_region_size = 8 << 20;
+    let mut odd = Config::device(1 << 30);
+    odd.initial_region_size = (1 << 20) + 1; // rounded up to a granule
+    odd.map_block_granules = 8;
+    for config in [Config::device(1 << 30), host, odd] {
+        let mut a = engine(config);
+        let mut b = written_engine(config);
+        let b = &mut *b;
+        assert_eq!(a.config, b.config);
+        assert_eq!(a.granule_shift, b.granule_shift);
+        assert_eq!(a.block_shift, b.block_shift);
+        assert_eq!(a.num_regions, b.num_regions);
+        assert_eq!(a.next_region_size, b.next_region_size);
+        assert_eq!(a.in_use_chunks, b.in_use_chunks);
+        assert_eq!(a.quick_heads, b.quick_heads);
+        assert_eq!(a.quick_len, b.quick_len);
+        assert_eq!(a.quick_max_g, b.quick_max_g);
+        assert_eq!(
+            (a.cached_bytes, a.cached_chunks),
+            (b.cached_bytes, b.cached_chunks)
+        );
+        assert_eq!(a.stats(), b.stats());
+        assert_eq!(a.check(), b.check());
+        assert_eq!(a.records_touched(), b.records_touched());
+        let mut live = Vec::new();
+        for (i, size) in [1usize, 300, 4096, 1 << 20, 48, 3 << 20, 1000, 64]
+            .into_iter()
+            .enumerate()
+        {
+            let align = if i % 3 == 0 { 4096 } else { 16 };
+            let pa = a.allocate_block(size, align);
+            let pb = b.allocate_block(size, align);
+            assert_eq!(pa, pb, "allocation {i}");
+            if let Ok(p) = pa {
+                live.push(p.ptr);
+            }
+            if i % 2 == 1 {
+                let p = live.remove(0);
+                assert_eq!(a.deallocate(p), b.deallocate(p));
+            }
+            assert_eq!(a.stats(), b.stats());
+            checked(&a);
+            checked(b);
+        }
+        for p in live {
+            assert_eq!(a.deallocate(p), b.deallocate(p));
+        }
+        assert_eq!(a.release_free_regions(), b.release_free_regions());
+        assert_eq!(a.stats(), b.stats());
+        assert_eq!(a.source().requests, b.source().requests);
+        let key = |c: Chunk| (c.ptr(), c.size(), c.in_use());
+        assert!(a.chunks().map(key).eq(b.chunks().map(key)));
+    }
+}
+
+/// `write_new` with a config `new` refuses returns the same error and writes nothing.
+#[test]
+fn write_new_refuses_what_new_refuses_and_writes_nothing() {
+    let mut bad = Config::device(1 << 30);
+    bad.granule = 24;
+    let new_err = Bfc::new(bad, SimSource::new(BASE, 1 << 36), vec![Chunk::EMPTY; 4])
+        .err()
+        .unwrap();
+    let mut slot = core::mem::MaybeUninit::<Sim>::uninit();
+    // SAFETY: the slot is valid for writes of its size.
+    unsafe {
+        slot.as_mut_ptr()
+            .cast::<u8>()
+            .write_bytes(0xa5, core::mem::size_of::<Sim>())
+    };
+    // SAFETY: the slot is valid for writes of `Sim` and aligned.
+    let r = unsafe {
+        Bfc::write_new(
+            slot.as_mut_ptr(),
+            bad,
+            SimSource::new(BASE, 1 << 36),
+            vec![Chunk::EMPTY; 4],
+        )
+    };
+    assert_eq!(r, Err(new_err));
+    // SAFETY: every byte was written above.
+    let bytes = unsafe {
+        core::slice::from_raw_parts(slot.as_ptr().cast::<u8>(), core::mem::size_of::<Sim>())
+    };
+    assert!(
+        bytes.iter().all(|&x| x == 0xa5),
+        "write_new wrote into its destination"
+    );
+}
+
+/// A source that panics in a free, called from [`Bfc::release_free_regions`] on an engine that the
+/// unwind then drops: the panic reaches `catch_unwind` (the drop does not call the source again,
+/// which would panic during the unwind and abort the process). Run in a child process, since the
+/// failure is an abort.
+#[test]
+#[cfg_attr(miri, ignore = "runs a child process")]
+fn a_source_panic_in_release_unwinds_through_the_engines_drop() {
+    const CHILD: &str = "BFC_ALLOC_TEST_RELEASE_PANIC_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        let mut cfg = Config::device(64 << 20);
+        cfg.initial_region_size = 1 << 20;
+        let r = std::panic::catch_unwind(move || {
+            let source = PanickyFree {
+                sim: SimSource::new(BASE, 1 << 36),
+                panic_on_free: false,
+            };
+            let mut b = Bfc::new(cfg, source, vec![Chunk::EMPTY; 64]).unwrap();
+            let x = b.allocate(1 << 20, 1).unwrap();
+            let y = b.allocate(2 << 20, 1).unwrap();
+            b.deallocate(x).unwrap();
+            b.deallocate(y).unwrap();
+            assert_eq!(b.stats().num_regions, 2);
+            b.source_mut().panic_on_free = true;
+            b.release_free_regions();
+        });
+        assert!(r.is_err(), "the source did not panic");
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "core::tests::a_source_panic_in_release_unwinds_through_the_engines_drop",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "child: {:?}\n{}",
+        out.status,
+        std::string::String::from_utf8_lossy(&out.stderr)
+    );
+}
