@@ -1248,3 +1248,33 @@ fn a_launch_on_the_home_stream_comes_after_uses_on_other_streams() {
     plain.simulate_launch();
     assert_eq!(dev.queued(A), waits + 1, "only the launch was queued");
 }
+
+/// cudarc's guard records the end of a use only if the context still manages stream
+/// synchronisation when the guard drops (a count of the context's owned streams, which another
+/// thread lowers by dropping one), not when the use began. A guard handed out while the count was
+/// above zero may so leave the end of its use unrecorded: the free must not trust that event.
+#[test]
+fn a_use_whose_end_cudarc_did_not_record_is_still_ordered_before_reuse() {
+    let (dev, pool) = setup();
+    // SAFETY: simulated memory is never read.
+    let buf: Buf = unsafe { pool.alloc::<u8>(&A, 2 * MIB) }.unwrap();
+    let addr = buf.device_address();
+    let guard = buf.begin_use(&B); // the context manages synchronisation: a recording guard
+    let used = guard.item();
+    dev.set_unmanaged_sync(true); // another thread drops the context's last owned stream
+    drop(guard); // so cudarc skips the record
+    drop(buf);
+    // The home stream's work completes; the use on B does not.
+    dev.complete(A);
+    // SAFETY: simulated memory is never read.
+    let next: Buf = unsafe { pool.alloc::<u8>(&C, 2 * MIB) }.unwrap();
+    assert_eq!(
+        next.device_address(),
+        addr,
+        "the test expects the block to be reused"
+    );
+    assert!(
+        dev.completed(B) >= used || dev.ordered_before((B, used), (C, dev.queued(C) + 1)),
+        "the block went to stream C while the use on B (item {used}) may still run"
+    );
+}

@@ -185,15 +185,27 @@ unsafe impl DeviceBackend for CudaBackend {
             Some(e) => e,
             None => new_event(&self.ctx)?,
         };
-        bind(&self.ctx)?;
-        // SAFETY: the event and the stream are alive and belong to this context (`check_stream`
-        // vetted the stream when its buffer was allocated).
-        unsafe { result::event::record(ev.cu_event(), stream.cu_stream()) }
-            .map_err(err("cuEventRecord"))?;
-        Ok(ev)
+        let recorded = bind(&self.ctx).and_then(|()| {
+            // SAFETY: the event and the stream are alive and belong to this context
+            // (`check_stream` vetted the stream when its buffer was allocated).
+            unsafe { result::event::record(ev.cu_event(), stream.cu_stream()) }
+                .map_err(err("cuEventRecord"))
+        });
+        match recorded {
+            Ok(()) => Ok(ev),
+            Err(e) => {
+                // Keep the (unrecorded, still valid) event rather than destroy it through
+                // cudarc's `Drop`, which may overwrite the context's recorded error.
+                self.recycle_event(ev);
+                Err(e)
+            }
+        }
     }
 
     fn event_done(&mut self, event: &CudaEvent) -> Result<bool, BackendError> {
+        // The pool polls events first in every allocation and free, possibly on a thread with no
+        // (or another) context current: `cuEventQuery` lists CUDA_ERROR_INVALID_CONTEXT.
+        bind(&self.ctx)?;
         // SAFETY: the event is alive.
         match unsafe { result::event::query(event.cu_event()) } {
             Ok(()) => Ok(true),

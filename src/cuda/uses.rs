@@ -279,7 +279,12 @@ impl<O: UseOps> Record<O> {
             // A failed ordering, or a guard's record or wait skipped while the home context held
             // an error: wait for the whole home context (where those uses ran).
             let ctx = ops.context(home);
-            if unordered || ops.context_error(&ctx).is_err() {
+            // (A guard handed out while the context managed stream synchronisation skips its
+            // record if it no longer does when it drops: cudarc checks again there.)
+            if unordered
+                || ops.context_error(&ctx).is_err()
+                || (foreign && !ops.records_end_of_use(home))
+            {
                 ops.sync_context(&ctx)?;
             }
         }
@@ -444,6 +449,16 @@ impl<O: UseOps> Record<O> {
             // The record (or the wait) that marks the end of a use is skipped while the context
             // holds a recorded error (left by another guard of the same call, or another thread):
             // while one is there, the end of the last use may not be marked.
+            if self.foreign.load(Ordering::Acquire) && !ops.records_end_of_use(home) {
+                // cudarc records a guard's event only if the context still manages stream
+                // synchronisation when the guard drops (a count of owned streams, which another
+                // thread lowers by dropping one): an end of use may have gone unrecorded.
+                return Err(UsesError::Unordered(BackendError::new(
+                    "cuEventRecord",
+                    "the context stopped managing stream synchronisation, so the end of a use on \
+                     another stream may not have been recorded",
+                )));
+            }
             if let Err(e) = ops.context_error(&ops.context(home)) {
                 return Err(UsesError::Unordered(BackendError::new(
                     e.op,
