@@ -199,16 +199,25 @@ unsafe impl bfc_alloc::MemorySource for Counting {
     }
 }
 
-/// Dropping an engine whose regions are all free gives them back to the source (as TensorFlow's
-/// `BFCAllocator` destructor frees every region).
-#[test]
-fn dropping_an_idle_engine_returns_its_regions() {
+/// A device engine over a [`Counting`] source, and the source's count of regions out.
+fn counted_engine() -> (
+    Bfc<Counting, Vec<Chunk>>,
+    std::rc::Rc<std::cell::Cell<usize>>,
+) {
     let out = std::rc::Rc::new(std::cell::Cell::new(0));
     let source = Counting {
         inner: SimSource::new(1 << 40, 1 << 32),
         out: out.clone(),
     };
-    let mut bfc = Bfc::new(Config::device(1 << 32), source, vec![Chunk::EMPTY; 64]).unwrap();
+    let bfc = Bfc::new(Config::device(1 << 32), source, vec![Chunk::EMPTY; 64]).unwrap();
+    (bfc, out)
+}
+
+/// Dropping an engine whose regions are all free gives them back to the source (as TensorFlow's
+/// `BFCAllocator` destructor frees every region).
+#[test]
+fn dropping_an_idle_engine_returns_its_regions() {
+    let (mut bfc, out) = counted_engine();
     let a = bfc.allocate(1 << 20, 256).unwrap();
     let b = bfc.allocate(8 << 20, 256).unwrap();
     bfc.deallocate(a).unwrap();
@@ -226,12 +235,7 @@ fn dropping_an_idle_engine_returns_its_regions() {
 /// may still need it); the free one goes back.
 #[test]
 fn dropping_an_engine_keeps_the_regions_that_hold_blocks() {
-    let out = std::rc::Rc::new(std::cell::Cell::new(0));
-    let source = Counting {
-        inner: SimSource::new(1 << 40, 1 << 32),
-        out: out.clone(),
-    };
-    let mut bfc = Bfc::new(Config::device(1 << 32), source, vec![Chunk::EMPTY; 64]).unwrap();
+    let (mut bfc, out) = counted_engine();
     let _kept = bfc.allocate(1 << 20, 256).unwrap();
     let b = bfc.allocate(8 << 20, 256).unwrap();
     assert_eq!(bfc.stats().num_regions, 2);
@@ -244,12 +248,7 @@ fn dropping_an_engine_keeps_the_regions_that_hold_blocks() {
 /// the engine's own) gives each region back once: the drop finds none left to give.
 #[test]
 fn releasing_then_dropping_gives_each_region_back_once() {
-    let out = std::rc::Rc::new(std::cell::Cell::new(0));
-    let source = Counting {
-        inner: SimSource::new(1 << 40, 1 << 32),
-        out: out.clone(),
-    };
-    let mut bfc = Bfc::new(Config::device(1 << 32), source, vec![Chunk::EMPTY; 64]).unwrap();
+    let (mut bfc, out) = counted_engine();
     let a = bfc.allocate(1 << 20, 256).unwrap();
     let b = bfc.allocate(8 << 20, 256).unwrap();
     bfc.deallocate(a).unwrap();

@@ -1469,6 +1469,15 @@ struct Counted(SimStream, Arc<()>);
 
 struct CountingBackend(SimBackend);
 
+/// A pool over `dev` through a [`CountingBackend`], with a limit of `limit` bytes.
+fn counting_pool(dev: &SimDevice, limit: usize) -> DevicePool<CountingBackend> {
+    DevicePool::with_backend(
+        CountingBackend(dev.backend()),
+        PoolOptions::with_limit(limit),
+    )
+    .unwrap()
+}
+
 // SAFETY: every call goes to the simulated back end it wraps, which keeps the promises.
 unsafe impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
     type Stream = Counted;
@@ -1563,11 +1572,7 @@ fn a_panic_while_waiting_for_an_event_keeps_the_blocks_pending() {
     let dev = SimDevice::new(GIB);
     let a = Counted(A, Arc::new(()));
     {
-        let p = DevicePool::with_backend(
-            CountingBackend(dev.backend()),
-            PoolOptions::with_limit(64 * MIB),
-        )
-        .unwrap();
+        let p = counting_pool(&dev, 64 * MIB);
         // SAFETY: simulated memory is never read.
         let x = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
         dev.enqueue(A);
@@ -1596,11 +1601,7 @@ fn a_panic_while_waiting_for_an_event_keeps_the_blocks_pending() {
 #[test]
 fn a_panic_in_the_last_free_still_lets_the_pool_go() {
     let dev = SimDevice::new(GIB);
-    let p = DevicePool::with_backend(
-        CountingBackend(dev.backend()),
-        PoolOptions::with_limit(256 * MIB),
-    )
-    .unwrap();
+    let p = counting_pool(&dev, 256 * MIB);
     let s = Counted(PANICS_IN_FREE, Arc::new(()));
     let a = Counted(A, Arc::new(()));
     // SAFETY: simulated memory is never read.
@@ -1631,11 +1632,7 @@ fn a_panic_in_the_last_free_still_lets_the_pool_go() {
 #[test]
 fn pending_queues_let_their_stream_handle_go_once_empty() {
     let dev = SimDevice::new(GIB);
-    let p = DevicePool::with_backend(
-        CountingBackend(dev.backend()),
-        PoolOptions::with_limit(64 * MIB),
-    )
-    .unwrap();
+    let p = counting_pool(&dev, 64 * MIB);
     let a = Counted(A, Arc::new(()));
     let handles = || Arc::strong_count(&a.1) - 1;
     // SAFETY: simulated memory is never read.
@@ -1878,11 +1875,7 @@ fn same_stream_reuse_refuses_a_block_that_wastes_the_fragmentation_bound() {
 #[test]
 fn a_poll_drops_an_emptied_queue_before_a_busy_one() {
     let dev = SimDevice::new(GIB);
-    let p = DevicePool::with_backend(
-        CountingBackend(dev.backend()),
-        PoolOptions::with_limit(64 * MIB),
-    )
-    .unwrap();
+    let p = counting_pool(&dev, 64 * MIB);
     let a = Counted(A, Arc::new(()));
     let b = Counted(B, Arc::new(()));
     let handles = || Arc::strong_count(&a.1) - 1;

@@ -363,6 +363,9 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     /// capacity; its contents are overwritten as needed). Nothing is obtained from the source yet.
     pub fn new(config: Config, source: S, table: T) -> Result<Self, &'static str> {
         config.validate()?;
+        // (A literal, not `write_new` into a `MaybeUninit`: returning that costs the caller one
+        // more copy of the engine on its stack. `write_new_builds_the_engine_new_builds` checks
+        // that both build the same engine.)
         Ok(Bfc {
             config,
             granule_shift: config.granule.trailing_zeros(),

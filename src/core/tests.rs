@@ -35,6 +35,13 @@ fn checked(b: &Sim) {
     }
 }
 
+/// What the checker finds wrong with an engine a test corrupted.
+fn broken(b: &Sim) -> &'static str {
+    b.check()
+        .expect_err("the checker passed a corrupted engine")
+        .what
+}
+
 /// Allocates through [`Bfc::allocate_block`], checking the size it reports against the chunk's.
 fn alloc(b: &mut Sim, size: usize, align: usize) -> usize {
     let got = b
@@ -618,17 +625,14 @@ fn checker_detects_corruption() {
     // Corrupt the counters and the chunk list directly.
     b.stats.bytes_in_use += 16;
     assert_eq!(
-        b.check().unwrap_err().what,
+        broken(&b),
         "bytes_in_use or chunk count disagrees with a recount"
     );
     b.stats.bytes_in_use -= 16;
     checked(&b);
     let h = b.lookup_in_use(p).unwrap();
     b.table.get_mut(h).set_size(32);
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "address neighbours not contiguous"
-    );
+    assert_eq!(broken(&b), "address neighbours not contiguous");
 }
 
 #[test]
@@ -645,15 +649,12 @@ fn checker_reports_a_looped_bin_list_instead_of_hanging() {
 
     // The head links to itself: the second chunk is no longer reachable from its bin.
     b.table.get_mut(head).free_next = Some(head);
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "free chunk not in the bin of its size"
-    );
+    assert_eq!(broken(&b), "free chunk not in the bin of its size");
     // A cycle through both: every chunk is linked from its predecessor, and the walk of the bin
     // stops where it comes back to the head (whose back link names no predecessor).
     b.table.get_mut(head).free_next = Some(second);
     b.table.get_mut(second).free_next = Some(head);
-    assert_eq!(b.check().unwrap_err().what, "bin back link broken");
+    assert_eq!(broken(&b), "bin back link broken");
     b.table.get_mut(second).free_next = None;
     checked(&b);
 }
@@ -684,10 +685,7 @@ fn checker_finds_a_free_chunk_hidden_behind_a_recycled_record() {
     }
     b.table.get_mut(s2).free_next = Some(second);
     b.table.get_mut(second).free_prev = Some(s2);
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "recycled chunk record not empty"
-    );
+    assert_eq!(broken(&b), "recycled chunk record not empty");
 }
 
 #[test]
@@ -701,7 +699,7 @@ fn checker_reports_out_of_range_handles_in_every_list() {
     assert_eq!(b.stats().num_cached_chunks, 1);
     let h = b.quick_heads.iter().flatten().next().copied().unwrap();
     b.table.get_mut(h).free_next = Some(far);
-    assert_eq!(b.check().unwrap_err().what, "chunk handle out of range");
+    assert_eq!(broken(&b), "chunk handle out of range");
     // (A corrupted engine is forgotten, not dropped: its drop would walk the broken lists.)
     std::mem::forget(b);
     // The recycled-record list's link.
@@ -711,7 +709,7 @@ fn checker_reports_out_of_range_handles_in_every_list() {
     free(&mut b, blocks[1]);
     let slot = b.table.free_slots().next().unwrap();
     b.table.get_mut(slot).free_next = Some(far);
-    assert_eq!(b.check().unwrap_err().what, "chunk handle out of range");
+    assert_eq!(broken(&b), "chunk handle out of range");
     std::mem::forget(b);
     // A bin's link.
     let mut b = engine(Config::device(1 << 30));
@@ -721,7 +719,7 @@ fn checker_reports_out_of_range_handles_in_every_list() {
     let head = b.bins.head(bins::bin_for(1)).unwrap();
     let second = b.table.get(head).free_next.unwrap();
     b.table.get_mut(second).free_next = Some(far);
-    assert_eq!(b.check().unwrap_err().what, "chunk handle out of range");
+    assert_eq!(broken(&b), "chunk handle out of range");
     std::mem::forget(b);
 }
 
@@ -734,16 +732,13 @@ fn checker_reports_chunks_and_maps_past_their_region_instead_of_reading_past_the
     let region = b.regions[0].size;
     for bad in [size + 4 * region, usize::MAX & !255] {
         b.table.get_mut(h).set_size(bad);
-        assert_eq!(b.check().unwrap_err().what, "chunk runs past its region");
+        assert_eq!(broken(&b), "chunk runs past its region");
     }
     b.table.get_mut(h).set_size(size);
     checked(&b);
     let used = b.regions[0].map_used;
     b.regions[0].map_used = b.regions[0].map_len + 1;
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "region's pointer map shorter than the region"
-    );
+    assert_eq!(broken(&b), "region's pointer map shorter than the region");
     b.regions[0].map_used = used;
     checked(&b);
 }
@@ -1135,7 +1130,7 @@ fn the_checker_sees_two_adjacent_free_chunks() {
     b.bins.insert(&mut b.table, h, 4);
     b.stats.bytes_in_use -= 64;
     b.in_use_chunks -= 1;
-    assert_eq!(b.check().unwrap_err().what, "two adjacent free chunks");
+    assert_eq!(broken(&b), "two adjacent free chunks");
 }
 
 #[test]
@@ -1143,10 +1138,7 @@ fn the_checker_sees_reserved_bytes_above_their_peak() {
     let mut b = engine(Config::host(1 << 30));
     alloc(&mut b, 64, 16);
     b.stats.peak_bytes_reserved -= 16;
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "a peak or the limit is below the current value"
-    );
+    assert_eq!(broken(&b), "a peak or the limit is below the current value");
 }
 
 #[test]
@@ -1158,10 +1150,7 @@ fn the_checker_sees_a_chunk_in_another_sizes_quick_list() {
     b.quick_heads[4] = b.quick_heads[3].take();
     b.quick_len[4] = 1;
     b.quick_len[3] = 0;
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "quick list holds a wrong chunk or is too long"
-    );
+    assert_eq!(broken(&b), "quick list holds a wrong chunk or is too long");
 }
 
 /// A bounded allocation takes a chunk only if the block ends at or below the bound: the quick
@@ -1363,7 +1352,7 @@ fn the_checker_sees_a_chunk_in_another_sizes_bin() {
     b.bins.remove(&mut b.table, hx, 8);
     b.table.get_mut(hy).free_next = Some(hx);
     b.table.get_mut(hx).free_prev = Some(hy);
-    assert_eq!(b.check().unwrap_err().what, "chunk in the wrong bin");
+    assert_eq!(broken(&b), "chunk in the wrong bin");
 }
 
 #[test]
@@ -1371,10 +1360,7 @@ fn the_checker_sees_reserved_bytes_that_disagree_with_the_regions() {
     let mut b = engine(Config::host(1 << 30));
     alloc(&mut b, 64, 16);
     b.stats.bytes_reserved -= 16;
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "bytes_reserved disagrees with the regions"
-    );
+    assert_eq!(broken(&b), "bytes_reserved disagrees with the regions");
 }
 
 #[test]
@@ -1384,7 +1370,7 @@ fn the_checker_sees_a_quick_list_length_that_disagrees() {
     let _g = alloc(&mut b, 48, 16);
     free(&mut b, p);
     b.quick_len[3] += 1;
-    assert_eq!(b.check().unwrap_err().what, "quick list length disagrees");
+    assert_eq!(broken(&b), "quick list length disagrees");
 }
 
 #[test]
@@ -1462,33 +1448,24 @@ fn the_checker_sees_broken_regions() {
     // Unsorted (the second region starts where the first does).
     let base1 = b.regions[1].base;
     b.regions[1].base = b.regions[0].base;
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "regions overlap or are unsorted"
-    );
+    assert_eq!(broken(&b), "regions overlap or are unsorted");
     b.regions[1].base = base1;
     checked(&b);
     // A region whose end wraps around the address space.
     let size0 = b.regions[0].size;
     b.regions[0].size = usize::MAX - b.regions[0].base + 1;
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "region wraps around the address space"
-    );
+    assert_eq!(broken(&b), "region wraps around the address space");
     b.regions[0].size = size0;
     checked(&b);
     // A region whose chunk list is empty.
     let first = b.regions[0].first.take();
-    assert_eq!(b.check().unwrap_err().what, "region without chunks");
+    assert_eq!(broken(&b), "region without chunks");
     b.regions[0].first = first;
     checked(&b);
     // A region whose first chunk is not at its base.
     let second = b.table.get(first.unwrap()).next;
     b.regions[0].first = second;
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "first chunk does not start the region"
-    );
+    assert_eq!(broken(&b), "first chunk does not start the region");
     b.regions[0].first = first;
     checked(&b);
     // Chunks that stop short of the region's end (the last chunk of the first region, free, a
@@ -1500,10 +1477,7 @@ fn the_checker_sees_broken_regions() {
     let size = b.table.get(last).size();
     assert!(!b.table.get(last).in_use());
     b.table.get_mut(last).set_size(size - 256);
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "chunk sizes do not sum to the region size"
-    );
+    assert_eq!(broken(&b), "chunk sizes do not sum to the region size");
     b.table.get_mut(last).set_size(size);
     checked(&b);
 }
@@ -1515,19 +1489,13 @@ fn the_checker_sees_chunks_in_the_wrong_state() {
     let h0 = b.lookup_in_use(blocks[0]).unwrap();
     let h1 = b.lookup_in_use(blocks[1]).unwrap();
     b.table.get_mut(h0).free_next = Some(h1);
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "in-use chunk linked into a bin"
-    );
+    assert_eq!(broken(&b), "in-use chunk linked into a bin");
     b.table.get_mut(h0).free_next = None;
     checked(&b);
     // A misaligned chunk size.
     let size = b.table.get(h0).size();
     b.table.get_mut(h0).set_size(size - 16);
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "chunk size or address not a granule multiple"
-    );
+    assert_eq!(broken(&b), "chunk size or address not a granule multiple");
     b.table.get_mut(h0).set_size(size);
     checked(&b);
 
@@ -1541,14 +1509,14 @@ fn the_checker_sees_chunks_in_the_wrong_state() {
     let hq = b.lookup_in_use(q).unwrap();
     b.table.get_mut(hp).free_prev = Some(hq);
     assert_eq!(
-        b.check().unwrap_err().what,
+        broken(&b),
         "cached chunk not marked unavailable, or in a bin"
     );
     b.table.get_mut(hp).free_prev = None;
     checked(&b);
     b.cached_bytes += 16;
     assert_eq!(
-        b.check().unwrap_err().what,
+        broken(&b),
         "cached chunks disagree with the quick lists or the counters"
     );
     b.cached_bytes -= 16;
@@ -1569,7 +1537,7 @@ fn the_checker_sees_a_broken_pointer_map() {
     // SAFETY: block 0 is below `map_used` (a chunk starts there), and the map is valid.
     unsafe { *map.as_ptr() = Some(hbig) };
     assert_eq!(
-        b.check().unwrap_err().what,
+        broken(&b),
         "pointer map does not name the first chunk of a block"
     );
     // SAFETY: as above.
@@ -1581,10 +1549,7 @@ fn the_checker_sees_a_broken_pointer_map() {
     assert!(inner < b.regions[0].map_used);
     // SAFETY: `inner` is below `map_used`, and the map is valid.
     unsafe { *map.as_ptr().add(inner) = Some(hbig) };
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "pointer map names a chunk inside another chunk"
-    );
+    assert_eq!(broken(&b), "pointer map names a chunk inside another chunk");
     // SAFETY: as above.
     unsafe { *map.as_ptr().add(inner) = None };
     checked(&b);
@@ -1601,7 +1566,7 @@ fn the_checker_sees_a_live_record_outside_every_region() {
     c.set_size(256);
     let h = b.table.alloc(c).unwrap();
     assert_eq!(
-        b.check().unwrap_err().what,
+        broken(&b),
         "live chunk records not all reachable from regions"
     );
     b.table.get_mut(h).set_size(0);
@@ -1625,24 +1590,18 @@ fn the_checker_sees_bins_that_disagree_with_the_free_chunks() {
     let (mut b, p, _) = fresh();
     let h = b.lookup_in_use(p).unwrap();
     b.bins.insert(&mut b.table, h, 1);
-    assert_eq!(b.check().unwrap_err().what, "in-use chunk in a bin");
+    assert_eq!(broken(&b), "in-use chunk in a bin");
     // A recycled record (the last one of the recycled list) linked into a bin.
     let (mut b, _, _) = fresh();
     let s = b.table.free_slots().last().unwrap();
     assert_eq!(b.table.get(s).free_next, None);
     b.bins.insert(&mut b.table, s, 1);
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "recycled chunk record in a bin"
-    );
+    assert_eq!(broken(&b), "recycled chunk record in a bin");
     // The only free chunk linking to itself.
     let (mut b, _, q) = fresh();
     let tail = b.table.get(b.lookup_in_use(q).unwrap()).next.unwrap();
     b.table.get_mut(tail).free_next = Some(tail);
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "more binned chunks than free chunks (cycle?)"
-    );
+    assert_eq!(broken(&b), "more binned chunks than free chunks (cycle?)");
     b.table.get_mut(tail).free_next = None;
     checked(&b);
     // The free chunk unlinked from its bin, with a back link to a record (recycled) whose forward
@@ -1652,10 +1611,7 @@ fn the_checker_sees_bins_that_disagree_with_the_free_chunks() {
     let s = b.table.free_slots().next().unwrap();
     b.table.get_mut(s).free_next = Some(tail);
     b.table.get_mut(tail).free_prev = Some(s);
-    assert_eq!(
-        b.check().unwrap_err().what,
-        "free chunks missing from the bins"
-    );
+    assert_eq!(broken(&b), "free chunks missing from the bins");
 }
 
 /// Builds an engine with [`Bfc::write_new`] in uninitialised memory (as the host heap does).

@@ -276,16 +276,10 @@ impl<O: UseOps> Record<O> {
         let unordered = self.unordered.get().is_some();
         let foreign = self.foreign.load(Ordering::Acquire);
         if unordered || foreign || self.synced.load(Ordering::Acquire) {
-            // A failed ordering, or a guard's record or wait skipped while the home context held
-            // an error: wait for the whole home context (where those uses ran).
-            let ctx = ops.context(home);
-            // (A guard handed out while the context managed stream synchronisation skips its
-            // record if it no longer does when it drops: cudarc checks again there.)
-            if unordered
-                || ops.context_error(&ctx).is_err()
-                || (foreign && !ops.records_end_of_use(home))
-            {
-                ops.sync_context(&ctx)?;
+            // A failed ordering, or the end of a use that may have gone unmarked: wait for the
+            // whole home context (where those uses ran).
+            if unordered || self.end_may_be_unmarked(ops, home).is_err() {
+                ops.sync_context(&ops.context(home))?;
             }
         }
         if !foreign {
@@ -294,6 +288,22 @@ impl<O: UseOps> Record<O> {
         // (An event not recorded yet waits for nothing; its use began after this use on the home
         // stream, or at the same time, unordered by the user.)
         self.home_waits_for_afters(ops, home).map(drop)
+    }
+
+    /// `Err` (with the reason) if the end of the last use on another stream may have gone
+    /// unmarked: a guard's record (or wait) is skipped while the home context holds a recorded
+    /// error (left by another guard of the same call, or another thread), and cudarc records a
+    /// guard's event only if the context still manages stream synchronisation when the guard
+    /// drops (a count of owned streams, which another thread lowers by dropping one), however it
+    /// was when the use began.
+    fn end_may_be_unmarked(&self, ops: &O, home: &O::Stream) -> Result<(), BackendError> {
+        if self.foreign.load(Ordering::Acquire) && !ops.records_end_of_use(home) {
+            return Err(BackendError::new(
+                "cuEventRecord",
+                "the context stopped managing stream synchronisation",
+            ));
+        }
+        ops.context_error(&ops.context(home))
     }
 
     /// Makes `home` wait for every other stream's end-of-use event; whether there was any.
@@ -446,20 +456,7 @@ impl<O: UseOps> Record<O> {
             return Err(UsesError::Unordered(e.clone()));
         }
         if self.foreign.load(Ordering::Acquire) || self.synced.load(Ordering::Acquire) {
-            // The record (or the wait) that marks the end of a use is skipped while the context
-            // holds a recorded error (left by another guard of the same call, or another thread):
-            // while one is there, the end of the last use may not be marked.
-            if self.foreign.load(Ordering::Acquire) && !ops.records_end_of_use(home) {
-                // cudarc records a guard's event only if the context still manages stream
-                // synchronisation when the guard drops (a count of owned streams, which another
-                // thread lowers by dropping one): an end of use may have gone unrecorded.
-                return Err(UsesError::Unordered(BackendError::new(
-                    "cuEventRecord",
-                    "the context stopped managing stream synchronisation, so the end of a use on \
-                     another stream may not have been recorded",
-                )));
-            }
-            if let Err(e) = ops.context_error(&ops.context(home)) {
+            if let Err(e) = self.end_may_be_unmarked(ops, home) {
                 return Err(UsesError::Unordered(BackendError::new(
                     e.op,
                     std::format!(
