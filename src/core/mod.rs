@@ -73,7 +73,8 @@ use chunk::ChunkTable;
 /// Maximum number of live regions.
 pub const MAX_REGIONS: usize = 64;
 
-/// Largest supported alignment: 2^40 bytes on 64-bit targets, half the address space on smaller ones.
+/// Largest supported alignment: 2^40 bytes on 64-bit targets, a quarter of the address space on
+/// smaller ones.
 pub const MAX_ALIGN: usize = if usize::BITS > 41 {
     1 << 40
 } else {
@@ -487,7 +488,9 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     /// granule.
     ///
     /// # Time Complexity
-    /// O(1) in the number of chunks, plus at most `fit_scan` list steps; growth calls the source.
+    /// O(1) in the number of chunks, plus at most 64 list steps (`fit_scan`, if larger) per size
+    /// class searched; before growing, or failing, every chunk of the searched classes is looked
+    /// at (see the module docs), and growth calls the source.
     #[allow(
         clippy::result_large_err,
         reason = "the report is the point; the Ok path stays small"
@@ -547,7 +550,14 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             }
         }
         let found = match self.find(rounded, align, needed, FAST_SCAN) {
-            Some(h) => self.take(h, rounded, align, bound),
+            Some(h) => match self.take(h, rounded, align, bound) {
+                // The cached chunks hold records that coalescing them may free: the slow path
+                // flushes them before it tries again.
+                Err(Refusal::Oom(OomCause::ChunkTableFull)) if self.cached_chunks > 0 => {
+                    self.allocate_slow(rounded, align, needed, bound)
+                }
+                r => r,
+            },
             None => self.allocate_slow(rounded, align, needed, bound),
         };
         found.map_err(|e| match e {

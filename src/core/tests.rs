@@ -596,6 +596,32 @@ fn chunk_table_exhaustion_is_an_error_not_a_crash() {
     alloc(&mut b, 16, 16);
 }
 
+/// A full chunk table whose records are held by quick-listed chunks: the allocation flushes the
+/// quick lists (which frees records as the cached chunks coalesce) before it reports that the
+/// table is full. It used to fail at once when the chunk it picked could not be split.
+#[test]
+fn a_full_chunk_table_flushes_the_quick_lists_before_failing() {
+    let mut b: Sim = Bfc::new(
+        Config::host(1 << 30),
+        SimSource::new(BASE, 1 << 32),
+        vec![Chunk::EMPTY; 8],
+    )
+    .unwrap();
+    // Seven 16-byte blocks and the free rest of the region: all eight records.
+    let ps: Vec<usize> = (0..7).map(|_| alloc(&mut b, 16, 16)).collect();
+    assert_eq!(b.records_touched(), 8);
+    // Six of them cached, uncoalesced: they still hold their records.
+    for &p in &ps[..6] {
+        free(&mut b, p);
+    }
+    assert_eq!(b.stats().num_cached_chunks, 6);
+    // A size no quick list holds: the free rest of the region must be split, and the table is
+    // full until the cached chunks coalesce.
+    let p = alloc(&mut b, 4096, 16);
+    free(&mut b, p);
+    free(&mut b, ps[6]);
+}
+
 #[test]
 fn stats_track_peaks_and_metadata() {
     let mut b = engine(Config::host(1 << 30));
