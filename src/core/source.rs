@@ -14,8 +14,9 @@ use super::chunk::ChunkHandle;
 ///
 /// Implementors promise:
 /// - `alloc_region` returns ranges `[base, base + size)` that do not overlap each other or any range
-///   still live, that do not wrap around the address space, whose `base` is a multiple of the requested
-///   `align`, and that stay owned by the engine until `free_region`;
+///   still live, whose end `base + size` is representable in a `usize` (a range may not wrap around
+///   the address space, nor end at its very top), whose `base` is a multiple of the requested `align`,
+///   and that stay owned by the engine until `free_region`;
 /// - `alloc_map` returns memory for `entries` values of `Option<ChunkHandle>` that is zero-filled,
 ///   suitably aligned, writable, not aliased by anything else, and valid until `free_map`;
 /// - no method calls back into the engine, or into an allocator the engine serves (a source behind a

@@ -49,7 +49,8 @@
 //!   [`GlobalBfc::flush_thread_cache`] (and [`GlobalBfc::release_free_memory`]), and before an
 //!   allocation on that thread fails for want of room (with the transfer cache);
 //! - blocks going back to the slab layer are checked there, and a block freed twice in a row on one
-//!   thread is caught at the second free (other double frees when the block reaches the slab layer);
+//!   thread is caught at the second free unless a flush or decay of its class came between (other
+//!   double frees when the block reaches the slab layer);
 //! - [`GlobalBfc::stats`] counts cached blocks as cached, not in use;
 //! - a thread's cache serves the first instance that uses it; other instances take the lock there.
 //!

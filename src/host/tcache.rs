@@ -29,12 +29,14 @@
 //! take 14 KiB of thread-local storage per thread.
 //!
 //! **Double frees.** A free of the block on top of its stack (a block freed twice in a row on one
-//! thread) is caught at once. Any other double free, and a free of a live block with a wrong small
-//! layout whose pointer is an object start of that class, is caught when the block reaches the slab
-//! layer (a flush that finds the transfer cache full, the class's decay, thread exit,
-//! `flush_thread_cache` or `release_free_memory`); until then the block may be handed out twice, as with jemalloc's and
-//! tcmalloc's thread caches. Debug builds also check a free's layout against its span's class
-//! before the block joins a stack (see [`ThreadCache::plausible`]).
+//! thread, with no flush or decay of its class between the two frees) is caught at once. Any other
+//! double free, and a free of a live block with a wrong small layout whose pointer is an object
+//! start of that class, is caught when the block reaches the slab layer (a flush that finds the
+//! transfer cache full, the class's decay, thread exit, `flush_thread_cache` or
+//! `release_free_memory`) if the slab layer has not handed it out again by then (it may have when
+//! the first free already went back to the slab layer); until then the block may be handed out
+//! twice, as with jemalloc's and tcmalloc's thread caches. Debug builds also check a free's layout
+//! against its span's class before the block joins a stack (see [`ThreadCache::plausible`]).
 //!
 //! **Binding.** A cache serves one allocator instance: the first one that allocates or frees a small
 //! block on the thread, identified by a process-unique id (never an address, which a dropped
