@@ -29,8 +29,8 @@ type Variant = (
 
 /// Variants run only when named in `--allocs`: `(name, binary, environment)`. mimalloc asks for
 /// transparent huge pages on its arenas (`MADV_HUGEPAGE`, its `allow_thp` default) while bfc-alloc
-/// refuses them on its own (`MADV_NOHUGEPAGE`); `mimalloc-nothp` is mimalloc with THP off, so the
-/// two choices can be told apart from the allocators (with first-byte writes a 2 MiB fault serves one
+/// keeps the system's policy on its arena (it refuses them only on its metadata); `mimalloc-nothp`
+/// is mimalloc with THP off, so the two choices can be told apart from the allocators (with first-byte writes a 2 MiB fault serves one
 /// written byte, which moves mimalloc's `large` time and every RSS of its).
 const VARIANTS: &[Variant] = &[("mimalloc-nothp", "mimalloc", &[("MIMALLOC_ALLOW_THP", "0")])];
 

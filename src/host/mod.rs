@@ -1391,6 +1391,11 @@ fn small_error(ptr: usize, e: SmallFree, context: &str) -> ! {
 
 impl Drop for GlobalBfc {
     fn drop(&mut self) {
+        // The bindings lock below is the first allocator lock a process takes when it drops an
+        // instance before any was used: the handlers must be in place before it, as in `init`, or
+        // a `fork` on another thread now would leave it held in the child.
+        #[cfg(all(feature = "std", not(loom)))]
+        install_fork_handlers();
         // Threads whose caches are bound to this heap must not flush into it once it is gone: mark
         // them orphaned, under the lock their exit flush takes.
         #[cfg(all(feature = "std", not(loom)))]

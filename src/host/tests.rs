@@ -1045,6 +1045,42 @@ fn fork_handlers_run_twice_hold_the_locks_until_the_last_call() {
     assert!(stdout.contains("child done"), "{stdout}");
 }
 
+#[test]
+#[cfg_attr(miri, ignore = "spawns a child process")]
+fn dropping_an_unused_instance_installs_the_fork_handlers_first() {
+    // Dropping an instance takes the bindings lock, even when the instance was never used. In a
+    // process where no instance was initialised yet, that is the first allocator lock taken, and
+    // the `fork` handlers must be in place before it: a `fork` on another thread while the drop
+    // holds it would otherwise leave it held in the child, whose next exit of a thread with a
+    // bound cache, drop or `fork` would wait forever. Runs in a child process, where no instance
+    // was initialised before; its own child tells whether a handler ran at the `fork`.
+    let case = "dropping_an_unused_instance_installs_the_fork_handlers_first";
+    if is_child(case) {
+        drop(small_instance());
+        // SAFETY: the child only reads an atomic and leaves with `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // The child handler counts the forks it saw.
+            let code = if fork_generation() == 0 { 1 } else { 0 };
+            // SAFETY: leaves the child at once, without running the parent's exit handlers.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "no fork handler ran: the drop took the bindings lock before they were installed"
+        );
+        std::println!("child done");
+        return;
+    }
+    let (status, stdout, stderr) = run_child(case);
+    assert!(status.success(), "{status:?}: {stdout}{stderr}");
+    assert!(stdout.contains("child done"), "{stdout}");
+}
+
 // ---- Tests written to kill surviving mutants (a mutation-testing pass over the host heap) ----
 
 /// A free that leaves a merged chunk of exactly `release_threshold` bytes is subject to the
