@@ -465,8 +465,9 @@ impl GlobalBfc {
             let brk = h.brk;
             let purged = h.small.purge(brk, |a, l| {
                 // SAFETY: whole pages of a span holding no allocated object. (If the kernel refuses,
-                // they only stay resident: nothing relies on a span's free pages reading as zero.)
-                let _ = unsafe { os::discard(a, l) };
+                // they only stay resident, uncounted: nothing relies on a span's free pages reading
+                // as zero.)
+                unsafe { os::discard(a, l) }
             });
             h.sweep(1, false) + purged
         })

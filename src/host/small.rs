@@ -762,9 +762,14 @@ impl SmallHeap {
 
     /// Finds the pages of spans that hold no allocated object and were not given back since an
     /// object on them was last allocated; calls `discard(addr, len)` for each run of them (within
-    /// one span) and returns the bytes covered. Walks the spans below `brk` (the highest address
-    /// ever handed out).
-    pub(crate) fn purge(&mut self, brk: usize, mut discard: impl FnMut(usize, usize)) -> usize {
+    /// one span), which says whether the pages went back, and returns the bytes that did. A run
+    /// that did not go back stays a candidate for the next purge. Walks the spans below `brk` (the
+    /// highest address ever handed out).
+    pub(crate) fn purge(
+        &mut self,
+        brk: usize,
+        mut discard: impl FnMut(usize, usize) -> bool,
+    ) -> usize {
         let shift = self.page_shift;
         if shift == 0 {
             return 0;
@@ -794,9 +799,13 @@ impl SmallHeap {
             while m != 0 {
                 let first = m.trailing_zeros();
                 let run = (m >> first).trailing_ones();
-                discard(base + ((first as usize) << shift), (run as usize) << shift);
-                covered += (run as usize) << shift;
-                m &= !(((1u32 << run) - 1) << first);
+                let bits = ((1u32 << run) - 1) << first;
+                if discard(base + ((first as usize) << shift), (run as usize) << shift) {
+                    covered += (run as usize) << shift;
+                } else {
+                    span.purged &= !(bits as u16);
+                }
+                m &= !bits;
             }
         }
         covered
@@ -1110,8 +1119,14 @@ mod tests {
                 assert_eq!(released_batch, released);
                 if round % 7 == 0 {
                     let (mut a, mut b) = (Vec::new(), Vec::new());
-                    one.purge(base(fresh), |x, l| a.push((x, l)));
-                    many.purge(base(fresh), |x, l| b.push((x, l)));
+                    one.purge(base(fresh), |x, l| {
+                        a.push((x, l));
+                        true
+                    });
+                    many.purge(base(fresh), |x, l| {
+                        b.push((x, l));
+                        true
+                    });
                     assert_eq!(a, b);
                 }
                 let counters = |h: &SmallHeap| (h.bytes, h.objects, h.allocs, h.spans_live);
@@ -1333,7 +1348,10 @@ mod tests {
             h.free(objs[k]);
         }
         let mut runs = Vec::new();
-        let covered = h.purge(base(2), |a, l| runs.push((a, l)));
+        let covered = h.purge(base(2), |a, l| {
+            runs.push((a, l));
+            true
+        });
         assert_eq!(
             runs,
             vec![(base(1) + 3 * 4096, 3 * 4096), (base(1) + 9 * 4096, 4096)]
@@ -1347,8 +1365,32 @@ mod tests {
         assert_eq!(h.purge(base(2), |_, _| panic!("page of a live object")), 0);
         h.free(objs[3]);
         let mut runs = Vec::new();
-        h.purge(base(2), |a, l| runs.push((a, l)));
+        h.purge(base(2), |a, l| {
+            runs.push((a, l));
+            true
+        });
         assert_eq!(runs, vec![(objs[3], 4096)]);
+        h.check(base(2)).unwrap();
+    }
+
+    #[test]
+    fn a_refused_purge_is_not_counted_and_is_tried_again() {
+        let c = class_for(4096, 8).unwrap();
+        let mut h = heap(8);
+        let objs: Vec<usize> = (0..capacity(c)).map(|_| alloc(&mut h, c, 1)).collect();
+        for k in [3, 4, 9] {
+            h.free(objs[k]);
+        }
+        // The kernel refuses the run at object 3 and takes the one at object 9.
+        let covered = h.purge(base(2), |a, _| a != objs[3]);
+        assert_eq!(covered, 4096);
+        let mut runs = Vec::new();
+        let covered = h.purge(base(2), |a, l| {
+            runs.push((a, l));
+            true
+        });
+        assert_eq!(runs, vec![(objs[3], 2 * 4096)]);
+        assert_eq!(covered, 2 * 4096);
         h.check(base(2)).unwrap();
     }
 
@@ -1363,7 +1405,10 @@ mod tests {
                 h.free(p);
             }
             let mut runs = Vec::new();
-            h.purge(base(2), |a, l| runs.push((a, l)));
+            h.purge(base(2), |a, l| {
+                runs.push((a, l));
+                true
+            });
             let expect = if pages == 1 {
                 vec![]
             } else {
@@ -1373,7 +1418,10 @@ mod tests {
             // The last object's page comes back once it is freed, and only then.
             h.free(objs[capacity(c) - 1]);
             let mut runs = Vec::new();
-            h.purge(base(2), |a, l| runs.push((a, l)));
+            h.purge(base(2), |a, l| {
+                runs.push((a, l));
+                true
+            });
             assert_eq!(runs, vec![(base(1) + (pages - 1) * page, page)]);
             h.check(base(2)).unwrap();
         }
@@ -1390,7 +1438,10 @@ mod tests {
             h.free(p);
         }
         let mut runs = Vec::new();
-        let covered = h.purge(base(2), |a, l| runs.push((a, l)));
+        let covered = h.purge(base(2), |a, l| {
+            runs.push((a, l));
+            true
+        });
         assert_eq!(runs, vec![(base(1), SPAN)]);
         assert_eq!(covered, SPAN);
         h.check(base(2)).unwrap();
@@ -1410,7 +1461,10 @@ mod tests {
         );
         h.free(objs[2]);
         let mut runs = Vec::new();
-        h.purge(base(2), |a, l| runs.push((a, l)));
+        h.purge(base(2), |a, l| {
+            runs.push((a, l));
+            true
+        });
         // Objects 2 and 3 cover 6..12 KiB: only page 2 is whole and free (page 1 meets object 1).
         assert_eq!(runs, vec![(base(1) + 2 * 4096, 4096)]);
         // The last page of the span holds no object start past the capacity (21 x 3 KiB = 63
@@ -1456,7 +1510,7 @@ mod tests {
         let lo: Vec<usize> = (0..cap).map(|_| alloc(&mut h, c, 1)).collect();
         let hi = alloc(&mut h, c, 2);
         assert!(matches!(h.free(lo[0]), SmallFree::Freed(None)));
-        h.purge(base(3), |_, _| {});
+        h.purge(base(3), |_, _| true);
         match h.free(hi) {
             SmallFree::Freed(Some(b)) => assert_eq!(b, base(2)),
             _ => panic!("span 2 not released"),
@@ -1464,7 +1518,10 @@ mod tests {
         let d = class_for(2048, 8).unwrap();
         assert_eq!(alloc(&mut h, d, 2), base(2));
         let mut runs = Vec::new();
-        h.purge(base(3), |a, l| runs.push((a, l)));
+        h.purge(base(3), |a, l| {
+            runs.push((a, l));
+            true
+        });
         assert_eq!(runs, vec![(base(2) + 4096, 15 * 4096)]);
     }
 
@@ -1481,7 +1538,10 @@ mod tests {
             }
         }
         let mut runs = Vec::new();
-        h.purge(base(2), |a, l| runs.push((a, l)));
+        h.purge(base(2), |a, l| {
+            runs.push((a, l));
+            true
+        });
         assert_eq!(runs, vec![(base(1) + 4096, 15 * 4096)]);
     }
 
