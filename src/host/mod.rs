@@ -83,7 +83,8 @@
 //! kernel took back (it refuses locked pages: `mlock`, `mlockall`). So
 //! `alloc_zeroed` writes only the part of a large block below that end; memory above it is still
 //! zero, and stays untouched until the caller writes it (a `vec![0; n]` of fresh memory costs no
-//! page). Below it, a block of at least `T` bytes is zeroed by returning its whole pages.
+//! page). Below it, when the block's part there is at least `T` bytes, that part's whole pages are
+//! zeroed by returning them, and only its partial pages are written.
 //!
 //! # Errors
 //!
