@@ -9,6 +9,17 @@
 //! process, and the system allocator's threads of the threaded workloads start with fresh per-thread
 //! arenas each round while `GlobalBfc` keeps one warm arena. `bench-peers/` installs each allocator
 //! as the `#[global_allocator]` of its own binary; its table is the one the README reports.
+//!
+//! The workloads are not bench-peers' own, so the two sets of numbers do not compare:
+//! - the generator is xorshift (bench-peers: splitmix64) with other seeds, and every thread of a
+//!   threaded churn draws the same sequence (bench-peers: one seed per thread);
+//! - a threaded row is the mean of the threads' own loop times (bench-peers: the wall time from the
+//!   first loop's start to the last one's end, which also counts a thread left behind);
+//! - the pairs write nothing to their block (bench-peers writes the first byte);
+//! - Vec growth is a byte buffer grown by doubling reallocs to 1 MiB, one byte written per push
+//!   (bench-peers: a `Vec<u64>` pushed to 2^20 elements, 8 MiB);
+//! - there is no `largew`, 16-thread churn, cross-thread free or JSON row, and there are two rows of
+//!   its own (`churn 4K..64K core`, `64B-aligned pairs`).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
@@ -163,7 +174,7 @@ fn pairs_of(a: &dyn GlobalAlloc, n: usize, l: Layout) -> f64 {
     t.elapsed().as_nanos() as f64 / n as f64
 }
 
-/// Vec-style growth by doubling reallocs up to 1 MiB, repeated. ns per pushed byte-equivalent element.
+/// Vec-style growth by doubling reallocs, pushing 1 MiB of bytes, repeated. ns per pushed byte.
 fn vec_growth(a: &dyn GlobalAlloc, rounds: usize) -> f64 {
     let mut pushes = 0usize;
     let t = Instant::now();
@@ -175,7 +186,7 @@ fn vec_growth(a: &dyn GlobalAlloc, rounds: usize) -> f64 {
             let mut l = Layout::from_size_align(cap, 8).unwrap();
             let mut p = must(a.alloc(l), l);
             let mut len = 0usize;
-            while cap < 1 << 20 {
+            while len < 1 << 20 {
                 if len == cap {
                     let grown = Layout::from_size_align(cap * 2, 8).unwrap();
                     p = must(a.realloc(p, l, cap * 2), grown);

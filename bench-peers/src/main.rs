@@ -27,11 +27,13 @@ type Variant = (
     &'static [(&'static str, &'static str)],
 );
 
-/// Variants run only when named in `--allocs`: `(name, binary, environment)`. mimalloc asks for
-/// transparent huge pages on its arenas (`MADV_HUGEPAGE`, its `allow_thp` default) while bfc-alloc
-/// keeps the system's policy on its arena (it refuses them only on its metadata); `mimalloc-nothp`
-/// is mimalloc with THP off, so the two choices can be told apart from the allocators (with first-byte writes a 2 MiB fault serves one
-/// written byte, which moves mimalloc's `large` time and every RSS of its).
+/// Variants, run after the allocators by default and counted as peers: `(name, binary,
+/// environment)`. mimalloc asks for transparent huge pages on its arenas (`MADV_HUGEPAGE`, its
+/// `allow_thp` default) while bfc-alloc keeps the system's policy on its arena (it refuses them only
+/// on its metadata); `mimalloc-nothp` is mimalloc with THP off, so the two choices can be told apart
+/// from the allocators (with first-byte writes a 2 MiB fault serves one written byte, which moves
+/// mimalloc's `large` time and every RSS of its). It is in the best-peer column: the THP policy must
+/// not decide which mimalloc bfc-alloc is measured against.
 const VARIANTS: &[Variant] = &[("mimalloc-nothp", "mimalloc", &[("MIMALLOC_ALLOW_THP", "0")])];
 
 /// A run taking longer than this is killed and counted as failed.
@@ -64,7 +66,7 @@ impl Cell {
 
 fn usage() -> ! {
     eprintln!(
-        "usage: bench-peers [--rounds N] [--allocs a,b,...] [workload...]\n  allocators: {} (and, only when named: {})\n  workloads: {}",
+        "usage: bench-peers [--rounds N] [--allocs a,b,...] [workload...]\n  allocators: {},{}\n  workloads: {}",
         ALLOCATORS.join(","),
         VARIANTS.iter().map(|v| v.0).collect::<Vec<_>>().join(","),
         WORKLOADS.iter().map(|w| w.0).collect::<Vec<_>>().join(" ")
@@ -132,7 +134,12 @@ fn cpu_model() -> String {
 
 fn main() {
     let mut rounds = 5usize;
-    let mut allocs: Vec<String> = ALLOCATORS.iter().map(|s| s.to_string()).collect();
+    let mut allocs: Vec<String> = ALLOCATORS
+        .iter()
+        .copied()
+        .chain(VARIANTS.iter().map(|v| v.0))
+        .map(str::to_string)
+        .collect();
     let mut workloads: Vec<String> = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -173,6 +180,14 @@ fn main() {
     }
     if allocs.is_empty() {
         usage();
+    }
+
+    // The peers are built with `--release` below but run from this binary's directory: a debug
+    // runner would run the debug peers there (stale ones, or none), under a header that says
+    // `--release`.
+    if cfg!(debug_assertions) {
+        eprintln!("run the runner with --release: cd bench-peers && cargo run --release [-- ...]");
+        std::process::exit(2);
     }
 
     // Build the peer binaries (`cargo run` builds only this one), from this package's directory so
