@@ -2004,3 +2004,201 @@ fn a_rejected_free_is_the_error_source() {
         f.to_string()
     }));
 }
+
+// ---- Tests written to kill surviving mutants (a third mutation-testing pass over the pool) ----
+
+/// Same-stream reuse looks at exactly the 256 most recently freed pending blocks of the stream
+/// (the pool's bound on the scan): a block 256th from the newest is found, one 257th is not, and
+/// the request misses to the engine instead.
+#[test]
+fn same_stream_reuse_scans_exactly_the_256_newest_pending_blocks() {
+    for (newer, found) in [(255, true), (256, false)] {
+        let dev = SimDevice::new(GIB);
+        let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+        let x = alloc(&p, A, MIB).unwrap();
+        let x_at = x.device_address();
+        let small: Vec<_> = (0..newer).map(|_| alloc(&p, A, 256).unwrap()).collect();
+        dev.enqueue(A); // A is busy: the frees stay pending
+        drop(x);
+        drop(small);
+        assert_eq!(p.stats().pending_blocks, newer + 1);
+        let y = alloc(&p, A, MIB).unwrap();
+        assert_eq!(
+            y.device_address() == x_at,
+            found,
+            "{newer} newer pending blocks: the block behind them found: {}",
+            !found
+        );
+    }
+}
+
+/// Among pending blocks of one size that fit a request without being exact, same-stream reuse
+/// takes the most recently freed one, as it does for an exact fit.
+#[test]
+fn same_stream_reuse_takes_the_newest_of_equal_blocks() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let x = alloc(&p, A, MIB).unwrap();
+    let y = alloc(&p, A, MIB).unwrap();
+    let y_at = y.device_address();
+    dev.enqueue(A); // A is busy: the frees stay pending
+    drop(x);
+    drop(y);
+    let z = alloc(&p, A, MIB - 256).unwrap();
+    assert_eq!(z.block_size(), MIB, "not served whole from a pending block");
+    assert_eq!(
+        z.device_address(),
+        y_at,
+        "an older block of the same size taken"
+    );
+}
+
+/// When waiting for an event fails and the device-wide wait that replaces it fails too, both
+/// failures are deferred errors.
+#[test]
+fn a_failed_device_wait_after_a_failed_event_wait_is_a_deferred_error() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let a = alloc(&p, A, MIB).unwrap();
+    dev.enqueue(A);
+    drop(a);
+    p.trim(); // A is busy: one event for the block
+    dev.set_fail_event_queries(true);
+    dev.set_fail_synchronize(true);
+    p.synchronize();
+    assert_eq!(p.stats().pending_blocks, 1);
+    let errs: Vec<_> = p.take_errors().iter().map(|e| e.to_string()).collect();
+    assert!(
+        errs.iter().any(|e| e.contains("cuEventSynchronize")),
+        "{errs:?}"
+    );
+    assert!(
+        errs.iter().any(|e| e.contains("cuCtxSynchronize")),
+        "{errs:?}"
+    );
+    dev.set_fail_synchronize(false);
+    dev.set_fail_event_queries(false);
+    p.synchronize();
+    assert_eq!(p.stats().pending_blocks, 0);
+    p.check().unwrap();
+}
+
+/// TensorFlow's system reserve is the small one only below 2 GiB of free memory: at exactly 2 GiB
+/// the reserve of the device's compute capability applies.
+#[test]
+fn the_small_system_reserve_ends_at_two_gib_available() {
+    assert_eq!(min_system_memory(2 * GIB - 1, 6), 225 * MIB);
+    assert_eq!(min_system_memory(2 * GIB, 6), 500 * MIB);
+    assert_eq!(min_system_memory(2 * GIB, 9), 1800 * MIB);
+}
+
+/// Later uses of a buffer in another context it was used in already do not grow its record: each
+/// allocates as much host memory as the one before (the simulator's own bookkeeping), no more.
+#[test]
+fn uses_in_an_already_seen_context_do_not_grow_the_record() {
+    const X: SimStream = SimStream::in_context(1, 7);
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    let x = alloc(&p, A, 256).unwrap();
+    x.simulate_use(X);
+    x.simulate_use(X);
+    let per_use = host_allocs(|| {
+        x.simulate_use(X);
+    });
+    for i in 0..64 {
+        let n = host_allocs(|| {
+            x.simulate_use(X);
+        });
+        assert_eq!(n, per_use, "use {i}: the record grew");
+    }
+}
+
+/// `check_err` returns the oldest deferred error, and clears them all.
+#[test]
+fn check_err_returns_the_oldest_deferred_error() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let a = alloc(&p, A, MIB).unwrap();
+    dev.enqueue(A);
+    drop(a);
+    dev.set_fail_event_record(true);
+    dev.set_fail_synchronize(true);
+    // A is busy: recording its event fails (cuEventRecord), and so does the device-wide wait for
+    // the unordered block (cuCtxSynchronize).
+    p.synchronize();
+    dev.set_fail_event_record(false);
+    dev.set_fail_synchronize(false);
+    let e = p.check_err().unwrap_err();
+    assert!(e.to_string().contains("cuEventRecord"), "{e}");
+    assert!(p.check_err().is_ok(), "the other errors were not cleared");
+}
+
+/// A zero-byte request is served like a one-byte one: by a stream's own pending block of one
+/// granule.
+#[test]
+fn a_zero_byte_request_reuses_a_pending_granule_of_its_stream() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let _keep = alloc(&p, A, MIB).unwrap();
+    let a = alloc(&p, A, 1).unwrap();
+    assert_eq!(a.block_size(), 256);
+    let a_at = a.device_address();
+    dev.enqueue(A); // A is busy: the free stays pending
+    drop(a);
+    let z = alloc(&p, A, 0).unwrap();
+    assert_eq!(
+        z.device_address(),
+        a_at,
+        "the pending granule was not reused"
+    );
+    assert_eq!(p.stats().pending_blocks, 0);
+}
+
+/// A region the engine gives back to make room for growth, during an allocation that succeeds,
+/// reports its failed free at once (not at the next trim or synchronisation).
+#[test]
+fn a_failed_region_free_during_a_successful_allocation_is_deferred_at_once() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(7 * MIB));
+    let a = alloc(&p, A, 2 * MIB).unwrap();
+    let addr = a.device_address();
+    let _b = alloc(&p, A, 4 * MIB).unwrap();
+    assert_eq!(dev.requests(), vec![2 * MIB, 4 * MIB]);
+    // SAFETY: this breaks `with_backend_mut`'s contract on purpose, to make the pool's own free
+    // of the region fail; on the simulated device no memory is behind the addresses, so nothing
+    // can be read or written through them.
+    unsafe { p.with_backend_mut(|b| bfc_alloc::cuda::DeviceBackend::mem_free(b, addr)) }.unwrap();
+    drop(a); // A is idle: the miss below returns the block, and its region is free
+    let _c = alloc(&p, A, 3 * MIB).unwrap();
+    assert_eq!(dev.requests(), vec![2 * MIB, 4 * MIB, 3 * MIB]);
+    let errs = p.take_errors();
+    assert!(
+        errs.iter().any(|e| e.to_string().contains("cuMemFree")),
+        "{errs:?}"
+    );
+}
+
+/// One poll drops every queue it empties, also one that removing an earlier emptied queue moved
+/// into that queue's place.
+#[test]
+fn a_poll_drops_every_queue_it_empties() {
+    let dev = SimDevice::new(GIB);
+    let p = counting_pool(&dev, 64 * MIB);
+    let streams = [A, B, C].map(|s| Counted(s, Arc::new(())));
+    for s in &streams {
+        // SAFETY: simulated memory is never read.
+        let buf = unsafe { p.alloc::<u8>(s, MIB) }.unwrap();
+        dev.enqueue(s.0);
+        drop(buf);
+    }
+    p.trim(); // every stream is busy: one event each, queues A, B, C in that order
+    assert_eq!(p.stats().pending_blocks, 3);
+    dev.complete(A);
+    dev.complete(C);
+    p.trim();
+    assert_eq!(p.stats().pending_blocks, 1, "B's block is still pending");
+    let handles = |s: &Counted| Arc::strong_count(&s.1) - 1;
+    assert_eq!(handles(&streams[0]), 0, "A's emptied queue kept its handle");
+    assert_eq!(handles(&streams[2]), 0, "C's emptied queue kept its handle");
+    assert_eq!(handles(&streams[1]), 1);
+}

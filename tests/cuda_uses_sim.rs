@@ -1278,3 +1278,43 @@ fn a_use_whose_end_cudarc_did_not_record_is_still_ordered_before_reuse() {
         "the block went to stream C while the use on B (item {used}) may still run"
     );
 }
+
+/// A use on another stream whose end no event marks (the context does not manage stream
+/// synchronisation) is waited for on the host by its guard: the free needs no device-wide wait and
+/// reports nothing, though the context still does not record ends of uses.
+#[test]
+fn a_host_waited_use_needs_no_device_wait_at_the_free_in_an_unmanaged_context() {
+    let (dev, pool) = setup();
+    dev.set_unmanaged_sync(true);
+    let buf = alloc(&pool, A, MIB);
+    let used = buf.simulate_use(B);
+    assert!(
+        dev.completed(B) >= used,
+        "the guard did not wait for the use"
+    );
+    let syncs = dev.device_syncs();
+    drop(buf);
+    assert_eq!(dev.device_syncs(), syncs, "the free waited for the device");
+    let errs = pool.take_errors();
+    assert!(errs.is_empty(), "{errs:?}");
+    let again = alloc(&pool, C, MIB);
+    assert!(before_next(&dev, (B, used), C));
+    drop(again);
+}
+
+/// A free after uses on other streams that were all waited for on the host (no event marks their
+/// end) makes the home stream wait for nothing, so it records no event there either.
+#[test]
+fn a_free_after_only_host_waited_uses_records_nothing_on_the_home_stream() {
+    let (dev, pool) = setup();
+    dev.set_unmanaged_sync(true);
+    let buf = alloc(&pool, A, MIB);
+    buf.simulate_use(B); // waited for by its guard
+    let recorded = dev.recorded(A);
+    drop(buf);
+    assert_eq!(
+        dev.recorded(A),
+        recorded,
+        "an event recorded on the home stream"
+    );
+}
