@@ -341,6 +341,51 @@ fn a_thread_that_reenters_the_heap_lock_aborts() {
     );
 }
 
+/// The pointer map has one entry per 4 KiB of arena (`MAP_BLOCK`); a lookup walks from the first
+/// chunk starting in a block. Here three blocks start in one map block (two over-aligned 16-byte
+/// ones at 16 B apart can't share one, so: a 16-byte block aligned to 8 KiB, then blocks of 4,112
+/// and 16 bytes cut from the rest behind it), and each is found by its own address.
+#[test]
+fn blocks_starting_in_one_map_block_are_each_found() {
+    let a = small_instance();
+    let tiny = Layout::from_size_align(16, 8192).unwrap();
+    let mid = Layout::from_size_align(4112, 16).unwrap();
+    let mut blocks = std::vec::Vec::new();
+    for _ in 0..64 {
+        // SAFETY: non-zero sizes; every block is freed below with its layout.
+        unsafe {
+            let p = a.alloc(tiny);
+            assert!(!p.is_null());
+            assert_eq!(p as usize % 8192, 0);
+            blocks.push((p, tiny));
+            let q = a.alloc(mid);
+            assert!(!q.is_null());
+            blocks.push((q, mid));
+        }
+    }
+    // Some `mid` blocks start in the map block of a `tiny` one (the rest behind it, best fit).
+    let shared = blocks
+        .chunks(2)
+        .filter(|w| (w[0].0 as usize) >> 12 == (w[1].0 as usize) >> 12)
+        .count();
+    assert!(shared > 0, "no two blocks started in one map block");
+    for &(p, l) in &blocks {
+        assert!(a.usable_size(p).is_some_and(|u| u >= l.size()));
+    }
+    assert_eq!(a.check(), Ok(()));
+    // Free in an order that leaves a map block's later chunk for last.
+    for &(p, l) in blocks
+        .iter()
+        .step_by(2)
+        .chain(blocks.iter().skip(1).step_by(2))
+    {
+        // SAFETY: each block came from `a.alloc(l)` and is freed once.
+        unsafe { a.dealloc(p, l) };
+        assert_eq!(a.check(), Ok(()));
+    }
+    assert_eq!(a.stats().bytes_in_use, 0);
+}
+
 #[test]
 fn the_recorded_end_of_touched_memory_covers_whole_blocks() {
     // A request that is not a multiple of the granule gets a larger block; its caller may write
