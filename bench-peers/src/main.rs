@@ -238,7 +238,8 @@ fn main() {
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!();
     println!("machine: {cpus} CPUs (nproc), {}", cpu_model());
-    // mimalloc's RSS (and its `large` time) depend on it; bfc-alloc opts out of THP either way.
+    // mimalloc's RSS (and its `large` time) depend on it, and so, where it is `always`, do
+    // bfc-alloc's: its arena keeps the system's policy (only its metadata refuses huge pages).
     println!(
         "transparent huge pages: {}",
         std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")

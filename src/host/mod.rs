@@ -262,14 +262,15 @@ struct CacheLine<T>(T);
 static NEXT_ID: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(1);
 
 /// Arena bytes per pointer-map entry (the engine's `map_block_granules` times the granule, which is
-/// at most 4 KiB). The engine's default, 32 granules (512 bytes), suits chunks
-/// of a few granules; here every engine block but an over-aligned one is larger than 4 KiB (the
-/// slab layer serves the rest), so a 4 KiB block still holds at most a couple of chunk starts for a
-/// lookup to walk, and the map is an eighth of the size. The map is touched at random (every split,
-/// merge and free of a large block): on bench-peers `large` (64 blocks of 64 KiB to 16 MiB) the
-/// eighth-size map took the step from 377 to 295 ns and peak RSS from 24.0 to 21.5 MiB (medians of
-/// 7 interleaved runs, 2026-11-25), with `largew`, `json`, `vec` and `churn` level or slightly
-/// better.
+/// at most 4 KiB). The engine's default, 32 granules (512 bytes), suits chunks of a few granules.
+/// Here every engine block but an over-aligned one is larger than 4 KiB (the slab layer serves the
+/// rest), so a 4 KiB map block holds at most three chunk starts for a lookup to walk. With the
+/// default 16-byte granule the map is an eighth of the size (with a granule above 128 bytes it is
+/// larger than 32 granules per entry would make it, and at most 0.1% of the arena). The map is
+/// touched at random (every split, merge and free of a large block): on bench-peers `large` (64
+/// blocks of 64 KiB to 16 MiB) the smaller map took the step from 377 to 295 ns and peak RSS from
+/// 24.0 to 21.5 MiB (medians of 7 interleaved runs, 2026-11-25), with `largew`, `json`, `vec` and
+/// `churn` level or slightly better.
 const MAP_BLOCK: usize = 4096;
 
 /// New engine blocks of at least this size start at a multiple of it (64 KiB, like Windows'
