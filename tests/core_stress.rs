@@ -174,6 +174,7 @@ fn run(seed: u64, config: Config, table: usize, refuse_pct: u64) {
     assert_eq!(b.source().inner.bytes_live(), 0);
 }
 
+// Under Miri (about 20 s a run of 50 steps): one table size and one refusal rate per config.
 const STEPS: usize = if cfg!(miri) { 50 } else { 1500 };
 
 #[test]
@@ -211,8 +212,12 @@ fn random_sequences_with_small_tables_and_a_refusing_source() {
     let seeds = if cfg!(miri) { 1 } else { 3 };
     for seed in 1..=seeds {
         for (ci, &config) in configs.iter().enumerate() {
-            for table in [3, 8, 40, 4096] {
-                for refuse_pct in [0, 30, 90] {
+            for &table in if cfg!(miri) {
+                &[8][..]
+            } else {
+                &[3, 8, 40, 4096]
+            } {
+                for &refuse_pct in if cfg!(miri) { &[30][..] } else { &[0, 30, 90] } {
                     let r = std::panic::catch_unwind(|| {
                         run(seed * 7919 + ci as u64, config, table, refuse_pct)
                     });
