@@ -15,8 +15,9 @@
 //! - The *pointer map* finds the chunk of an address on free. TensorFlow keeps one entry per granule,
 //!   which at a 16-byte host granule would cost 25% of the memory. Here a region is cut into *map blocks*
 //!   of `map_block_granules` granules (32 by default) and the map keeps, per block, the handle of the
-//!   first chunk that starts in it (4 bytes per 512 host bytes: 0.8%). Lookup walks at most one block's
-//!   worth of chunks along the address list.
+//!   first chunk that starts in it (4 bytes per 512 bytes at a 16-byte granule: 0.8%). Lookup walks
+//!   at most one block's worth of chunks along the address list. (The host allocator uses 4 KiB
+//!   blocks: its engine chunks are mostly larger than that, and a smaller map misses less.)
 //!
 //! # Fit policy ("good fit")
 //!
