@@ -2202,3 +2202,62 @@ fn a_poll_drops_every_queue_it_empties() {
     assert_eq!(handles(&streams[2]), 0, "C's emptied queue kept its handle");
     assert_eq!(handles(&streams[1]), 1);
 }
+
+/// A failed memory query (`cuMemGetInfo`) leaves the rest of the counters: the device's memory
+/// reads 0 of 0, as documented.
+#[test]
+fn stats_report_no_device_memory_when_the_memory_query_fails() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    let a = alloc(&p, A, MIB).unwrap();
+    dev.set_fail_mem_info(true);
+    let s = p.stats();
+    assert_eq!((s.device_free, s.device_total), (0, 0));
+    assert_eq!(s.allocator.bytes_in_use, MIB);
+    dev.set_fail_mem_info(false);
+    let s = p.stats();
+    assert_eq!(s.device_total, GIB);
+    assert!(s.device_free > 0 && s.device_free < GIB);
+    drop(a);
+}
+
+/// The out-of-memory report reads 0 of 0 device memory when the memory query fails too, and a
+/// pool cannot be made without it.
+#[test]
+fn a_failed_memory_query_reads_zero_in_the_oom_report_and_fails_pool_creation() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+    dev.set_fail_mem_info(true);
+    let e = alloc(&p, A, 100 * MIB).unwrap_err();
+    let PoolError::OutOfMemory(oom) = e else {
+        panic!("{e}")
+    };
+    assert_eq!((oom.device_free, oom.device_total), (0, 0));
+    let e = DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(64 * MIB)).unwrap_err();
+    assert!(e.to_string().contains("cuMemGetInfo"), "{e}");
+}
+
+/// A region whose pointer map the host cannot allocate is given back, and the out-of-memory
+/// report blames the host allocation, not the driver. (A region of 2^62 bytes, of a simulated
+/// device of 2^63, needs a map of 2^49 entries of 4 bytes, 2 PiB: more than a process's address
+/// space on 64-bit Linux, which gives a mapping without an address hint at most 2^47 bytes even
+/// with 5-level page tables, so the host allocation fails however memory is overcommitted.)
+#[test]
+fn a_refused_pointer_map_is_reported_as_a_host_allocation_failure() {
+    let dev = SimDevice::new(1 << 63);
+    let p = pool(&dev, PoolOptions::with_limit(1 << 63));
+    let e = alloc(&p, A, 1 << 62).unwrap_err();
+    let PoolError::OutOfMemory(oom) = e else {
+        panic!("{e}")
+    };
+    assert_eq!(oom.report.cause, OomCause::SourceRefused);
+    let refusal = oom.driver_error.as_deref().unwrap_or("(none)");
+    assert!(
+        refusal.contains("host allocation") && refusal.contains("pointer map"),
+        "{refusal}"
+    );
+    assert_eq!(dev.bytes_live(), 0, "the region was not given back");
+    assert!(dev.requests().contains(&(1 << 62)), "{:?}", dev.requests());
+    // An ordinary allocation still works.
+    drop(alloc(&p, A, MIB).unwrap());
+}

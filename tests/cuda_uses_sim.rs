@@ -591,6 +591,8 @@ fn no_failures(dev: &SimDevice, streams: &[SimStream]) {
         dev.set_context_error(ctx, false);
     }
     dev.set_fail_use_ordering(false);
+    dev.set_fail_new_event(false);
+    dev.set_fail_mem_info(false);
     dev.set_fail_prepare_use(false);
     dev.set_unmanaged_sync(false);
     dev.set_fail_event_record(false);
@@ -744,7 +746,9 @@ fn random_uses_under_failing_driver_calls_keep_the_pool_consistent() {
                 }
                 12 | 13 => {
                     let on = next(3) == 0;
-                    match next(13) {
+                    match next(15) {
+                        14 => dev.set_fail_mem_info(on),
+                        13 => dev.set_fail_new_event(on),
                         12 => dev.set_fail_prepare_use(on),
                         0 => dev.set_fail_use_ordering(on),
                         1 => dev.set_unmanaged_sync(on),
@@ -1317,4 +1321,127 @@ fn a_free_after_only_host_waited_uses_records_nothing_on_the_home_stream() {
         recorded,
         "an event recorded on the home stream"
     );
+}
+
+/// The home stream's event that a use on another stream waits for cannot be created
+/// (`cuEventCreate`): the home stream's work is then waited for on the host before the use, and
+/// the failure is deferred to the free, which waits for the device.
+#[test]
+fn a_failed_event_creation_before_a_use_waits_for_the_home_stream_on_the_host() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, 2 * MIB);
+    let written = dev.enqueue(A); // a kernel writing the buffer on its home stream
+                                  // The first creation is the home stream's event; B's own event is created.
+    dev.fail_next_new_events(1);
+    let used = buf.simulate_use(B);
+    assert!(
+        dev.completed(A) >= written || dev.ordered_before((A, written), (B, used)),
+        "the use on B may overlap the home stream's write"
+    );
+    let syncs = dev.device_syncs();
+    drop(buf);
+    assert_eq!(dev.device_syncs(), syncs + 1, "the free did not wait");
+    assert!(dev.completed(B) >= used);
+    let errors = pool.take_errors();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.to_string().contains("cuEventCreate")),
+        "{errors:?}"
+    );
+}
+
+/// The event that would mark the end of a use on another stream cannot be created
+/// (`cuEventCreate`): the use is waited for on the host when its guard ends, and the failure is
+/// deferred to the free, which waits for the device before the block goes to another stream.
+#[test]
+fn a_failed_event_creation_for_the_end_of_a_use_makes_the_free_wait_for_the_device() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, 2 * MIB);
+    let addr = buf.device_address();
+    buf.simulate_use(B); // the home stream's event and B's exist from here on
+    dev.set_fail_new_event(true);
+    let used = buf.simulate_use(C); // C's own event cannot be created
+    dev.set_fail_new_event(false);
+    assert!(
+        dev.completed(C) >= used,
+        "the use was not waited for when its guard ended"
+    );
+    let syncs = dev.device_syncs();
+    drop(buf);
+    assert_eq!(dev.device_syncs(), syncs + 1, "the free did not wait");
+    let errors = pool.take_errors();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.to_string().contains("cuEventCreate")),
+        "the failure was not reported: {errors:?}"
+    );
+    let again = alloc(&pool, B, 2 * MIB);
+    assert_eq!(again.device_address(), addr, "the block was not reused");
+    assert!(before_next(&dev, (C, used), B));
+}
+
+/// CUDA's stream ids are unique only within a context: a stream of another context that has the
+/// home stream's id is another stream all the same. The first use of a buffer there (no record
+/// yet) waits for the home stream's work, is waited for when its guard ends, and its context at
+/// the free if it holds an error.
+#[test]
+fn a_first_use_on_another_contexts_stream_with_the_home_streams_id_is_waited_for() {
+    let (dev, pool) = setup();
+    dev.set_context_local_stream_ids(true);
+    let twin = SimStream::in_context(1, 1); // A's id in context 1
+    let buf = alloc(&pool, A, 2 * MIB);
+    let addr = buf.device_address();
+    let written = dev.enqueue(A);
+    let used = buf.simulate_use(twin);
+    assert!(
+        dev.completed(A) >= written,
+        "the use in another context may overlap the home stream's write"
+    );
+    assert!(
+        dev.completed(twin) >= used,
+        "the use in another context was not waited for when its guard ended"
+    );
+    drop(buf);
+    let again = alloc(&pool, B, 2 * MIB);
+    assert_eq!(again.device_address(), addr, "the block was not reused");
+    assert!(before_next(&dev, (twin, used), B));
+}
+
+/// As above, for a buffer already used on another stream of its context (it has a record): a use
+/// on another context's stream that has the home stream's id is not a use on the home stream.
+#[test]
+fn a_later_use_on_another_contexts_stream_with_the_home_streams_id_is_waited_for() {
+    let (dev, pool) = setup();
+    dev.set_context_local_stream_ids(true);
+    let twin = SimStream::in_context(1, 1); // A's id in context 1
+    let buf = alloc(&pool, A, 2 * MIB);
+    let addr = buf.device_address();
+    buf.simulate_use(B);
+    let written = dev.enqueue(A);
+    let used = buf.simulate_use(twin);
+    assert!(
+        dev.completed(A) >= written,
+        "the use in another context may overlap the home stream's write"
+    );
+    assert!(
+        dev.completed(twin) >= used,
+        "the use in another context was not waited for when its guard ended"
+    );
+    // The free waits for that context if it holds an error (a guard's wait may have been skipped).
+    dev.set_context_error(twin.context(), true);
+    let later = dev.enqueue(twin);
+    drop(buf);
+    dev.set_context_error(twin.context(), false);
+    assert!(
+        dev.completed(twin) >= later,
+        "the free did not wait for the context"
+    );
+    // The block goes to another stream once the home stream's mark (after its wait for B) is done.
+    dev.complete(B);
+    dev.complete(A);
+    let again = alloc(&pool, C, 2 * MIB);
+    assert_eq!(again.device_address(), addr, "the block was not reused");
+    assert!(before_next(&dev, (twin, used), C));
 }

@@ -12,9 +12,12 @@
 //! on any stream through the same protocol as the CUDA back end's `DevicePtr` guards, so tests
 //! can check that a block goes to its next owner only after, or ordered after, every use of its
 //! previous one. A stream's context is the high 32 bits of its id
-//! ([`SimStream::in_context`]); the pool's context is 0.
+//! ([`SimStream::in_context`]); the pool's context is 0. The use protocol sees the whole id, or,
+//! after [`SimDevice::set_context_local_stream_ids`], only its low 32 bits, which repeat across
+//! contexts (CUDA's stream ids need be unique only within a context).
 
 use core::cell::Cell;
+use core::sync::atomic::{AtomicBool as StdAtomicBool, Ordering as StdOrdering};
 use std::string::ToString;
 use std::sync::{Arc, PoisonError};
 
@@ -103,6 +106,10 @@ struct SimState {
     memsets: Vec<(u64, usize)>,
     /// Makes the pool's event queries and waits fail.
     fail_event_queries: bool,
+    /// Creations of use-protocol events (`cuEventCreate`) still to fail (`usize::MAX`: all).
+    fail_new_events: usize,
+    /// Makes memory queries (`cuMemGetInfo`) fail.
+    fail_mem_info: bool,
 }
 
 /// Work on one simulated stream. Items are numbered from 1 in queue order and complete in order.
@@ -229,6 +236,11 @@ fn set_member(list: &mut Vec<u32>, ctx: u32, member: bool) {
 #[derive(Clone, Debug)]
 pub struct SimDevice {
     state: Arc<Mutex<SimState>>,
+    /// Whether the use protocol sees stream ids that are unique only within a context (the low
+    /// 32 bits of a stream's id), as CUDA allows, so that streams of two contexts share ids. (A
+    /// plain atomic outside the state's lock, so that the protocol's id look-ups add no steps to
+    /// loom's models, none of which sets it.)
+    context_local_stream_ids: Arc<StdAtomicBool>,
 }
 
 impl SimDevice {
@@ -278,7 +290,10 @@ impl SimDevice {
                 fail_context_syncs: Vec::new(),
                 memsets: Vec::new(),
                 fail_event_queries: false,
+                fail_new_events: 0,
+                fail_mem_info: false,
             })),
+            context_local_stream_ids: Arc::new(StdAtomicBool::new(false)),
         }
     }
 
@@ -334,6 +349,31 @@ impl SimDevice {
     /// Makes the pool's event queries (`cuEventQuery`) and waits (`cuEventSynchronize`) fail.
     pub fn set_fail_event_queries(&self, fail: bool) {
         self.lock().fail_event_queries = fail;
+    }
+
+    /// Makes the use protocol's event creations (`cuEventCreate`) fail, or not.
+    pub fn set_fail_new_event(&self, fail: bool) {
+        self.lock().fail_new_events = if fail { usize::MAX } else { 0 };
+    }
+
+    /// Makes the next `n` event creations of the use protocol (`cuEventCreate`) fail, and later
+    /// ones succeed (to make one event of a buffer's record fail, not the others).
+    pub fn fail_next_new_events(&self, n: usize) {
+        self.lock().fail_new_events = n;
+    }
+
+    /// Makes the use protocol see stream ids that are unique only within a context, as CUDA
+    /// allows (see `UseOps::stream_id`): stream `n` of every context then has the id `n`, so
+    /// [`SimStream::in_context`]`(c, n)` and `SimStream(n)` share one. The simulator itself still
+    /// tells them apart.
+    pub fn set_context_local_stream_ids(&self, local: bool) {
+        self.context_local_stream_ids
+            .store(local, StdOrdering::Relaxed);
+    }
+
+    /// Makes memory queries (`cuMemGetInfo`) fail, or not.
+    pub fn set_fail_mem_info(&self, fail: bool) {
+        self.lock().fail_mem_info = fail;
     }
 
     /// Makes the end of a use on another stream be waited for on the host instead of marked by
@@ -503,6 +543,9 @@ unsafe impl DeviceBackend for SimBackend {
 
     fn mem_info(&mut self) -> Result<(usize, usize), BackendError> {
         let st = self.device.lock();
+        if st.fail_mem_info {
+            return Err(failed("cuMemGetInfo"));
+        }
         let used = st.live_bytes() + st.used_by_others;
         Ok((st.total.saturating_sub(used), st.total))
     }
@@ -682,11 +725,22 @@ impl UseOps for SimDevice {
     }
 
     fn stream_id(&self, stream: &SimStream) -> Option<u64> {
-        (*stream != SimStream::per_thread(stream.context())).then_some(stream.0)
+        let id = if self.context_local_stream_ids.load(StdOrdering::Relaxed) {
+            stream.0 & u64::from(u32::MAX)
+        } else {
+            stream.0
+        };
+        (*stream != SimStream::per_thread(stream.context())).then_some(id)
     }
 
     fn new_event(&self, _: &SimStream) -> Result<SimUseEvent, BackendError> {
         let mut st = self.lock();
+        if st.fail_new_events > 0 {
+            if st.fail_new_events != usize::MAX {
+                st.fail_new_events -= 1;
+            }
+            return Err(failed("cuEventCreate"));
+        }
         st.use_events.push(None);
         Ok(SimUseEvent(st.use_events.len() - 1))
     }
