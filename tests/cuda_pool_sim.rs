@@ -36,22 +36,32 @@ struct Counting;
 
 std::thread_local! {
     static HOST_ALLOCS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// Bytes allocated less bytes freed, by this thread.
+    static HOST_BYTES: std::cell::Cell<isize> = const { std::cell::Cell::new(0) };
 }
 
-// SAFETY: every call goes to `System` unchanged; the counter is a const-initialised thread local
+/// Adds `delta` to this thread's count of host bytes held.
+fn count_bytes(delta: isize) {
+    let _ = HOST_BYTES.try_with(|n| n.set(n.get() + delta));
+}
+
+// SAFETY: every call goes to `System` unchanged; the counters are const-initialised thread locals
 // (no allocation, no destructor).
 unsafe impl std::alloc::GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
         let _ = HOST_ALLOCS.try_with(|n| n.set(n.get() + 1));
+        count_bytes(layout.size() as isize);
         // SAFETY: the caller's contract, passed on.
         unsafe { std::alloc::System.alloc(layout) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        count_bytes(-(layout.size() as isize));
         // SAFETY: the caller's contract, passed on.
         unsafe { std::alloc::System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new: usize) -> *mut u8 {
         let _ = HOST_ALLOCS.try_with(|n| n.set(n.get() + 1));
+        count_bytes(new as isize - layout.size() as isize);
         // SAFETY: the caller's contract, passed on.
         unsafe { std::alloc::System.realloc(ptr, layout, new) }
     }
@@ -65,6 +75,119 @@ fn host_allocs(f: impl FnOnce()) -> usize {
     let before = HOST_ALLOCS.with(|n| n.get());
     f();
     HOST_ALLOCS.with(|n| n.get()) - before
+}
+
+/// Host bytes this thread allocated and did not free while `f` ran.
+fn host_bytes_kept(f: impl FnOnce()) -> isize {
+    let before = HOST_BYTES.with(|n| n.get());
+    f();
+    HOST_BYTES.with(|n| n.get()) - before
+}
+
+/// Emptied block lists are kept for reuse up to a bound: a pool that releases many batches of
+/// pending blocks at once keeps no more host memory than one that releases a few dozen.
+#[test]
+fn releasing_many_batches_keeps_a_bounded_number_of_spare_block_lists() {
+    // Host bytes a fresh pool keeps after `batches` batches of one block each, on one stream, are
+    // returned to it at once.
+    let kept = |batches: usize| {
+        let dev = SimDevice::new(GIB);
+        let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+        // Keeps the region (a trim would give it back); warms up the stream's bookkeeping in the
+        // simulator, the pool's queue list and its spares with one batch.
+        let _region = alloc(&p, A, 256).unwrap();
+        dev.enqueue(A);
+        drop(alloc(&p, A, 256).unwrap());
+        p.trim();
+        dev.complete(A);
+        p.trim();
+        let kept = host_bytes_kept(|| {
+            let bufs: Vec<_> = (0..batches).map(|_| alloc(&p, A, 256).unwrap()).collect();
+            dev.enqueue(A); // A is busy: each trim below closes one batch with an event
+            for buf in bufs {
+                drop(buf);
+                p.trim();
+            }
+            assert_eq!(p.stats().pending_blocks, batches);
+            dev.complete(A);
+            p.trim(); // every event is done: all the batches go back to the engine at once
+            assert_eq!(p.stats().pending_blocks, 0);
+        });
+        p.check().unwrap();
+        kept
+    };
+    let few = kept(32);
+    let many = kept(256);
+    assert_eq!(
+        many, few,
+        "host bytes kept after 256 batches (vs 32): the spare block lists are not bounded"
+    );
+}
+
+/// Emptied batch queues are kept for reuse up to a bound: a pool whose pending blocks on many
+/// streams go back to it at once keeps no more host memory than one with a few dozen streams.
+#[test]
+fn releasing_many_streams_blocks_keeps_a_bounded_number_of_spare_queues() {
+    // Host bytes a fresh pool keeps after one pending block on each of `streams` streams is
+    // returned to it at once.
+    let kept = |streams: u64| {
+        let dev = SimDevice::new(GIB);
+        let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+        let streams: Vec<SimStream> = (10..10 + streams).map(SimStream).collect();
+        // Keeps the region (a trim would give it back).
+        let _region = alloc(&p, A, 256).unwrap();
+        // Twenty batches pending on every stream at once, so that each stream's queue grows past
+        // what is kept for reuse: warms up the simulator's streams and the pool's list of queues,
+        // not its spare queues.
+        let rounds: Vec<Vec<_>> = (0..20)
+            .map(|_| {
+                streams
+                    .iter()
+                    .map(|&s| alloc(&p, s, 256).unwrap())
+                    .collect()
+            })
+            .collect();
+        for &s in &streams {
+            dev.enqueue(s);
+        }
+        for round in rounds {
+            drop(round);
+            p.trim(); // every stream is busy: one batch each, with an event
+        }
+        settle_all(&dev, &streams);
+        p.trim();
+        assert_eq!(p.stats().pending_blocks, 0);
+        let kept = host_bytes_kept(|| {
+            let bufs: Vec<_> = streams
+                .iter()
+                .map(|&s| alloc(&p, s, 256).unwrap())
+                .collect();
+            for &s in &streams {
+                dev.enqueue(s);
+            }
+            drop(bufs);
+            p.trim();
+            assert_eq!(p.stats().pending_blocks, streams.len());
+            settle_all(&dev, &streams);
+            p.trim(); // every event is done: all the queues empty at once
+            assert_eq!(p.stats().pending_blocks, 0);
+        });
+        p.check().unwrap();
+        kept
+    };
+    let few = kept(32);
+    let many = kept(256);
+    assert_eq!(
+        many, few,
+        "host bytes kept after 256 streams' blocks (vs 32): the spare queues are not bounded"
+    );
+}
+
+/// Completes the work queued on `streams`.
+fn settle_all(dev: &SimDevice, streams: &[SimStream]) {
+    for &s in streams {
+        dev.complete(s);
+    }
 }
 
 /// A pool hit (a stream frees a buffer and allocates it again) takes no host memory, nor does a

@@ -1445,3 +1445,57 @@ fn a_later_use_on_another_contexts_stream_with_the_home_streams_id_is_waited_for
     assert_eq!(again.device_address(), addr, "the block was not reused");
     assert!(before_next(&dev, (twin, used), C));
 }
+
+/// The home stream's event that a use on another stream waits for cannot be recorded
+/// (`cuEventRecord`): no event orders the use after the home stream's work, so that work is
+/// waited for on the host before the use (and the free waits for the device).
+#[test]
+fn a_failed_event_record_before_a_use_waits_for_the_home_stream_on_the_host() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, 2 * MIB);
+    let written = dev.enqueue(A); // a kernel writing the buffer on its home stream
+    dev.set_fail_use_ordering(true);
+    let used = buf.simulate_use(B);
+    dev.set_fail_use_ordering(false);
+    assert!(
+        dev.completed(A) >= written || dev.ordered_before((A, written), (B, used)),
+        "the use on B may overlap the home stream's write"
+    );
+    let syncs = dev.device_syncs();
+    drop(buf);
+    assert_eq!(dev.device_syncs(), syncs + 1, "the free did not wait");
+    assert!(
+        !pool.take_errors().is_empty(),
+        "the failure was not reported"
+    );
+}
+
+/// A stream query need not count a stream wait as work: the free of a buffer used on another
+/// stream records an event on the home stream after the home stream's wait for that use, so the
+/// home stream stays busy, and its freed block goes to no other stream, until the use has ended.
+#[test]
+fn a_free_keeps_the_home_stream_busy_until_a_use_on_another_stream_ends() {
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, 2 * MIB);
+    let addr = buf.device_address();
+    let used = buf.simulate_use(B);
+    dev.complete(A); // the home stream's own work is done: only what the free queues is left
+    let marks = dev.recorded(A);
+    drop(buf);
+    assert_eq!(
+        dev.recorded(A),
+        marks + 1,
+        "no event recorded on the home stream after its wait for the use"
+    );
+    assert!(
+        dev.completed(A) < dev.queued(A),
+        "the home stream looks idle while it waits for the use on B"
+    );
+    let next = alloc(&pool, C, 2 * MIB);
+    assert!(
+        next.device_address() != addr || before_next(&dev, (B, used), C),
+        "the block went to C while the use on B (item {used}) may still run"
+    );
+    drop(next);
+    pool.check().unwrap();
+}
