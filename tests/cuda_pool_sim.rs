@@ -124,6 +124,44 @@ fn releasing_many_batches_keeps_a_bounded_number_of_spare_block_lists() {
     );
 }
 
+/// A long emptied block list is not kept for reuse: releasing one batch of many blocks (unordered
+/// ones, merged while event records fail) keeps no more host memory than releasing a short one.
+#[test]
+fn a_long_emptied_block_list_is_not_kept_for_reuse() {
+    // Host bytes a fresh pool keeps after `blocks` unordered blocks of one busy stream are
+    // released together by a device synchronisation.
+    let kept = |blocks: usize| {
+        let dev = SimDevice::new(GIB);
+        let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+        // Keeps the region (a trim would give it back).
+        let _region = alloc(&p, A, 256).unwrap();
+        let mut bufs: Vec<_> = (0..blocks).map(|_| alloc(&p, A, 256).unwrap()).collect();
+        dev.enqueue(A);
+        dev.set_fail_event_record(true);
+        let kept = host_bytes_kept(|| {
+            for buf in bufs.drain(..) {
+                drop(buf);
+                // The record fails: the block joins the stream's unordered batch.
+                p.trim();
+            }
+            assert_eq!(p.stats().pending_blocks, blocks);
+            p.synchronize();
+            assert_eq!(p.stats().pending_blocks, 0);
+            // The deferred errors (one per failed record, up to a bound) are not what is measured.
+            assert!(!p.take_errors().is_empty());
+        });
+        drop(bufs);
+        dev.set_fail_event_record(false);
+        p.check().unwrap();
+        kept
+    };
+    let (short, long) = (kept(8), kept(400));
+    assert!(
+        long <= short,
+        "a 400-block list left {long} host bytes, an 8-block one {short}"
+    );
+}
+
 /// Emptied batch queues are kept for reuse up to a bound: a pool whose pending blocks on many
 /// streams go back to it at once keeps no more host memory than one with a few dozen streams.
 #[test]
