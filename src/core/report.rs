@@ -137,14 +137,36 @@ pub enum OomCause {
     RegionTableFull,
 }
 
+impl OomCause {
+    /// What the cause means, and what can be changed.
+    fn explain(self) -> &'static str {
+        match self {
+            OomCause::LimitReached => {
+                "growing would pass the memory limit; free blocks or raise the limit"
+            }
+            OomCause::SourceRefused => "the memory source refused to grow the pool",
+            OomCause::NoGrowth => {
+                "growth is off and no free chunk fits; free blocks or raise the limit"
+            }
+            OomCause::ChunkTableFull => {
+                "the chunk table is full; give it more records (chunk_capacity)"
+            }
+            OomCause::RegionTableFull => {
+                "all 64 regions are in use; use a larger initial_region_size"
+            }
+        }
+    }
+}
+
 impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = &self.stats;
         write!(
             f,
-            "out of memory ({:?}): requested {} B (needs {} B); in use {} B, reserved {} B, limit {} B, \
-             largest free block {} B, fragmentation {:.3}; free chunks:",
+            "out of memory ({:?}: {}): requested {} B (needs {} B); in use {} B, reserved {} B, \
+             limit {} B, largest free block {} B, fragmentation {:.3}; free chunks:",
             self.cause,
+            self.cause.explain(),
             self.requested,
             self.needed,
             s.bytes_in_use,
@@ -220,8 +242,16 @@ impl fmt::Display for AllocError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             AllocError::OutOfMemory(r) => r.fmt(f),
-            AllocError::BadAlignment { align } => write!(f, "unsupported alignment {align}"),
-            AllocError::TooLarge { size } => write!(f, "size {size} is too large"),
+            AllocError::BadAlignment { align } => write!(
+                f,
+                "unsupported alignment {align}: it must be a power of two, at most {}",
+                super::MAX_ALIGN
+            ),
+            AllocError::TooLarge { size } => write!(
+                f,
+                "size {size} is too large: rounded up to the granule, with room for its \
+                 alignment, it exceeds isize::MAX"
+            ),
             AllocError::BeyondBound { bound, end } => {
                 write!(
                     f,

@@ -2,6 +2,7 @@
 
 extern crate std;
 
+use std::string::ToString;
 use std::vec;
 use std::vec::Vec;
 
@@ -167,6 +168,13 @@ fn bad_alignment_and_sizes_fail_cleanly() {
         b.allocate(1 << 31, 8),
         Err(AllocError::OutOfMemory(_))
     ));
+    // The messages say what a valid request is, and what to change.
+    let msg = b.allocate(8, 3).unwrap_err().to_string();
+    assert!(msg.contains("must be a power of two"), "{msg}");
+    let msg = b.allocate(usize::MAX - 3, 8).unwrap_err().to_string();
+    assert!(msg.contains("exceeds isize::MAX"), "{msg}");
+    let msg = b.allocate(1 << 31, 8).unwrap_err().to_string();
+    assert!(msg.contains("raise the limit"), "{msg}");
     checked(&b);
     let p = alloc(&mut b, 64, 8);
     free(&mut b, p);
@@ -589,6 +597,7 @@ fn chunk_table_exhaustion_is_an_error_not_a_crash() {
         matches!(err, AllocError::OutOfMemory(r) if r.cause == OomCause::ChunkTableFull),
         "{err}"
     );
+    assert!(err.to_string().contains("more records"), "{err}");
     assert!(live.len() >= 6);
     for p in live {
         free(&mut b, p);

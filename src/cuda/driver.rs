@@ -151,7 +151,8 @@ unsafe impl DeviceBackend for CudaBackend {
         if **stream.context() != *self.ctx {
             Err(BackendError::new(
                 "DevicePool::alloc",
-                "the stream belongs to another context than the pool's",
+                "the stream belongs to another context than the pool's: allocate on a stream of \
+                 the pool's context (DevicePool::context), or use that context's own pool",
             ))
         } else if stream.cu_stream() as usize == PER_THREAD_STREAM {
             // The handle means "the calling thread's stream": the pool could not tell two threads'
@@ -488,7 +489,9 @@ unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut DeviceBuffer<T, CudaBackend>> f
 }
 
 impl DevicePool<CudaBackend> {
-    /// A pool for device `ordinal` (its primary context). `Err(DriverNotFound)` without a driver.
+    /// A pool for device `ordinal` (its primary context). `Err(DriverNotFound)` without a driver,
+    /// `Err(NoDevice)` if there is no device `ordinal`, and `Err(Config)` for invalid `options`
+    /// (see [`PoolOptions`]).
     pub fn new(ordinal: usize, options: PoolOptions) -> Result<Self, PoolError> {
         if !driver_available() {
             return Err(PoolError::DriverNotFound);
@@ -516,6 +519,11 @@ impl DevicePool<CudaBackend> {
     }
 
     /// A buffer of `len` zeros of `T` on `stream` (the zeroing is queued on `stream`).
+    ///
+    /// # Errors
+    ///
+    /// As [`alloc`](DevicePool::alloc), and [`PoolError::Backend`] if the zeroing cannot be
+    /// queued (the buffer then goes back to the pool).
     pub fn alloc_zeros<T: ValidAsZeroBits>(
         &self,
         stream: &Arc<CudaStream>,
@@ -528,6 +536,11 @@ impl DevicePool<CudaBackend> {
     }
 
     /// A buffer holding a copy of `src`, copied on `stream`.
+    ///
+    /// # Errors
+    ///
+    /// As [`alloc`](DevicePool::alloc), and [`PoolError::Backend`] if the copy cannot be queued
+    /// (the buffer then goes back to the pool).
     pub fn clone_htod<T: DeviceRepr>(
         &self,
         stream: &Arc<CudaStream>,

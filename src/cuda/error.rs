@@ -16,7 +16,8 @@ pub enum PoolError {
         /// The device asked for, if one was.
         ordinal: Option<usize>,
     },
-    /// A driver call failed.
+    /// A driver call failed, or the back end refused the stream: a stream of another context
+    /// than the pool's, or a per-thread default stream (`op` is then `"DevicePool::alloc"`).
     Backend(BackendError),
     /// No memory for the request, even after waiting for pending frees and trimming.
     OutOfMemory(std::boxed::Box<DeviceOom>),

@@ -873,6 +873,15 @@ impl<B: DeviceBackend> DevicePool<B> {
     /// request if no free chunk can), growth from the driver; then waits for all pending frees and
     /// tries again (the returned blocks, or growth after fully free regions went back).
     ///
+    /// # Errors
+    ///
+    /// - [`PoolError::OutOfMemory`] when no memory can be found within the pool's limit, even after
+    ///   waiting for every pending free;
+    /// - [`PoolError::InvalidRequest`] when `len * size_of::<T>()` overflows, or `T`'s alignment
+    ///   cannot be met;
+    /// - [`PoolError::Backend`] when `stream` belongs to another context than the pool's, or is a
+    ///   per-thread default stream, or when a driver call fails.
+    ///
     /// # Safety
     ///
     /// The contents are whatever the memory held before (possibly another buffer's data, or bits

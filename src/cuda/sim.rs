@@ -593,12 +593,13 @@ unsafe impl DeviceBackend for SimBackend {
         if stream.context() != 0 {
             Err(BackendError::new(
                 "DevicePool::alloc",
-                "the stream belongs to another context than the pool's",
+                "the stream belongs to another context than the pool's: allocate on a stream of \
+                 the pool's context (DevicePool::context), or use that context's own pool",
             ))
         } else if *stream == SimStream::per_thread(0) {
             Err(BackendError::new(
                 "DevicePool::alloc",
-                "per-thread default streams are not supported",
+                "per-thread default streams are not supported: use another stream of the context",
             ))
         } else {
             Ok(())

@@ -186,24 +186,39 @@ impl HostConfig {
         thread_cache: true,
     };
 
-    /// Panics (at compile time when used in a `static`) on bad parameters.
+    /// Checks the parameters. [`GlobalBfc::with_config`] calls it, so a bad configuration in a
+    /// `static` fails to compile, with the message below.
+    ///
+    /// # Panics
+    ///
+    /// (At compile time in a `const` context.) If:
+    /// - `arena_size < min_arena_size`;
+    /// - `min_arena_size` is below 2 MiB;
+    /// - `chunk_capacity` is below 16 or not below `u32::MAX`;
+    /// - `granule` is not a power of two from 8 to 4096.
+    ///
+    /// The message names the field and the range it must be in.
     pub const fn validate(&self) {
         assert!(
             self.arena_size >= self.min_arena_size,
-            "arena_size < min_arena_size"
+            "HostConfig: arena_size must be at least min_arena_size (raise arena_size or lower \
+             min_arena_size)"
         );
         assert!(
             self.min_arena_size >= 1 << 21,
-            "min_arena_size must be at least 2 MiB"
+            "HostConfig: min_arena_size must be at least 2 MiB (2 << 20)"
         );
-        assert!(self.chunk_capacity >= 16, "chunk_capacity too small");
+        assert!(
+            self.chunk_capacity >= 16,
+            "HostConfig: chunk_capacity must be at least 16 (records)"
+        );
         assert!(
             self.chunk_capacity < u32::MAX as usize,
-            "chunk_capacity must fit in u32"
+            "HostConfig: chunk_capacity must be below u32::MAX (it must fit in u32)"
         );
         assert!(
             self.granule.is_power_of_two() && self.granule >= 8 && self.granule <= 4096,
-            "granule must be a power of two in 8..=4096"
+            "HostConfig: granule must be a power of two from 8 to 4096 bytes"
         );
     }
 }
@@ -369,6 +384,10 @@ impl Drop for AbortOnUnwind {
 ///
 /// See the [module docs](self) for the memory layout, when memory goes back to the kernel, and error
 /// behaviour.
+///
+/// An instance that is not a `static` (one used through `allocator_api2::alloc::Allocator`, say)
+/// gives its whole arena back to the kernel when dropped: no block it handed out may be used after
+/// that, and the thread caches bound to it stop serving it.
 #[repr(C)]
 pub struct GlobalBfc {
     config: HostConfig,
@@ -400,6 +419,10 @@ impl GlobalBfc {
     crate::sync::const_unless_loom! {
         /// An allocator with `config` (checked at compile time in a `static`; `const` except in
         /// loom builds).
+        ///
+        /// # Panics
+        ///
+        /// If `config` is invalid: see [`HostConfig::validate`] (in a `static`, a compile error).
         pub fn with_config(config: HostConfig) -> Self {
             config.validate();
             GlobalBfc {
@@ -728,7 +751,8 @@ impl Heap {
                 os::warn(format_args!(
                     "cannot reserve a heap arena of {} MiB or more (the kernel refused the \
                      address space or its first pages: an address-space or commit limit?); every \
-                     allocation from this allocator fails",
+                     allocation from this allocator fails (raise that limit, or lower \
+                     HostConfig::min_arena_size)",
                     smallest >> 20
                 ));
                 return None;

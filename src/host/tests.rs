@@ -26,7 +26,7 @@ fn bad_configs_are_refused_with_their_reason() {
                 min_arena_size: 2 << 30,
                 ..d
             },
-            "arena_size < min_arena_size",
+            "arena_size must be at least min_arena_size",
         ),
         (
             HostConfig {
@@ -41,14 +41,14 @@ fn bad_configs_are_refused_with_their_reason() {
                 chunk_capacity: 15,
                 ..d
             },
-            "chunk_capacity too small",
+            "chunk_capacity must be at least 16",
         ),
         (
             HostConfig {
                 chunk_capacity: u32::MAX as usize,
                 ..d
             },
-            "chunk_capacity must fit in u32",
+            "chunk_capacity must be below u32::MAX",
         ),
         (HostConfig { granule: 24, ..d }, "granule must be"),
         (HostConfig { granule: 4, ..d }, "granule must be"),
