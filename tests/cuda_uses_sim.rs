@@ -1383,42 +1383,19 @@ fn a_failed_event_creation_for_the_end_of_a_use_makes_the_free_wait_for_the_devi
 }
 
 /// CUDA's stream ids are unique only within a context: a stream of another context that has the
-/// home stream's id is another stream all the same. The first use of a buffer there (no record
-/// yet) waits for the home stream's work, is waited for when its guard ends, and its context at
-/// the free if it holds an error.
-#[test]
-fn a_first_use_on_another_contexts_stream_with_the_home_streams_id_is_waited_for() {
+/// home stream's id is another stream all the same. A use of a buffer there waits for the home
+/// stream's work, is waited for when its guard ends, and its context is waited for at the free if
+/// it holds an error. `after_b`: the buffer was used on B first, so it already has a record (the
+/// protocol's later-use path rather than its first-use fast path).
+fn a_use_on_another_contexts_twin_of_the_home_stream_is_waited_for(after_b: bool) {
     let (dev, pool) = setup();
     dev.set_context_local_stream_ids(true);
     let twin = SimStream::in_context(1, 1); // A's id in context 1
     let buf = alloc(&pool, A, 2 * MIB);
     let addr = buf.device_address();
-    let written = dev.enqueue(A);
-    let used = buf.simulate_use(twin);
-    assert!(
-        dev.completed(A) >= written,
-        "the use in another context may overlap the home stream's write"
-    );
-    assert!(
-        dev.completed(twin) >= used,
-        "the use in another context was not waited for when its guard ended"
-    );
-    drop(buf);
-    let again = alloc(&pool, B, 2 * MIB);
-    assert_eq!(again.device_address(), addr, "the block was not reused");
-    assert!(before_next(&dev, (twin, used), B));
-}
-
-/// As above, for a buffer already used on another stream of its context (it has a record): a use
-/// on another context's stream that has the home stream's id is not a use on the home stream.
-#[test]
-fn a_later_use_on_another_contexts_stream_with_the_home_streams_id_is_waited_for() {
-    let (dev, pool) = setup();
-    dev.set_context_local_stream_ids(true);
-    let twin = SimStream::in_context(1, 1); // A's id in context 1
-    let buf = alloc(&pool, A, 2 * MIB);
-    let addr = buf.device_address();
-    buf.simulate_use(B);
+    if after_b {
+        buf.simulate_use(B);
+    }
     let written = dev.enqueue(A);
     let used = buf.simulate_use(twin);
     assert!(
@@ -1438,12 +1415,22 @@ fn a_later_use_on_another_contexts_stream_with_the_home_streams_id_is_waited_for
         dev.completed(twin) >= later,
         "the free did not wait for the context"
     );
-    // The block goes to another stream once the home stream's mark (after its wait for B) is done.
+    // The block goes to another stream once the home stream's mark (after any wait for B) is done.
     dev.complete(B);
     dev.complete(A);
     let again = alloc(&pool, C, 2 * MIB);
     assert_eq!(again.device_address(), addr, "the block was not reused");
     assert!(before_next(&dev, (twin, used), C));
+}
+
+#[test]
+fn a_first_use_on_another_contexts_stream_with_the_home_streams_id_is_waited_for() {
+    a_use_on_another_contexts_twin_of_the_home_stream_is_waited_for(false);
+}
+
+#[test]
+fn a_later_use_on_another_contexts_stream_with_the_home_streams_id_is_waited_for() {
+    a_use_on_another_contexts_twin_of_the_home_stream_is_waited_for(true);
 }
 
 /// The home stream's event that a use on another stream waits for cannot be recorded

@@ -551,12 +551,11 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             }
         }
         let found = match self.find(rounded, align, needed, FAST_SCAN) {
+            // A full chunk table (the only way `take` runs out): the slow path is where every
+            // failure goes first (it flushes the quick lists, whose cached chunks hold records
+            // that coalescing frees, and tries again).
             Some(h) => match self.take(h, rounded, align, bound) {
-                // The cached chunks hold records that coalescing them may free: the slow path
-                // flushes them before it tries again.
-                Err(Refusal::Oom(OomCause::ChunkTableFull)) if self.cached_chunks > 0 => {
-                    self.allocate_slow(rounded, align, needed, bound)
-                }
+                Err(Refusal::Oom(_)) => self.allocate_slow(rounded, align, needed, bound),
                 r => r,
             },
             None => self.allocate_slow(rounded, align, needed, bound),
