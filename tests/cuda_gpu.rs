@@ -413,3 +413,85 @@ fn zeroing_waits_for_a_read_on_another_stream() {
     pool.check_err().unwrap();
     ctx.check_err().unwrap();
 }
+
+#[test]
+fn a_kernel_on_the_home_stream_comes_after_a_use_on_another_stream() {
+    let Some(pool) = pool(PoolOptions::with_limit(256 * MIB)) else {
+        return;
+    };
+    let ctx = pool.context();
+    let Some(f) = spin_fill_kernel(&ctx) else {
+        return;
+    };
+    let (home, s1) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    let n = MIB;
+    let mut buf = pool.clone_htod(&home, &vec![0x1234_5678u32; n]).unwrap();
+    // SAFETY: written by the kernel before any read.
+    let slow: DeviceBuffer<u32> = unsafe { pool.alloc(&s1, n) }.unwrap();
+    // Stream 1 is busy for about half a second, then copies into `buf` (a use on another stream
+    // than buf's home); a kernel on the home stream then writes `buf`, and must run after that copy.
+    launch_spin_fill(&s1, &f, &slow, 0xdead_beef, 1_000_000_000);
+    s1.memcpy_dtod(&slow, &mut buf).unwrap();
+    launch_spin_fill(&home, &f, &buf, 0x42, 0);
+    ctx.synchronize().unwrap();
+    let seen = home.clone_dtoh(&buf).unwrap();
+    assert!(
+        seen.iter().all(|&v| v == 0x42),
+        "the kernel on the home stream ran before the copy on stream 1"
+    );
+    drop((buf, slow));
+    ctx.synchronize().unwrap();
+    pool.synchronize();
+    pool.check_err().unwrap();
+    ctx.check_err().unwrap();
+}
+
+/// The README leaves a kernel argument on another stream than the buffer's home to the caller, who
+/// may order it by making the home stream wait for it before the free. An idle home stream's frees
+/// go back without an event, after a stream query: this checks that the query counts the wait.
+#[test]
+fn a_free_after_the_home_stream_waits_for_a_kernel_elsewhere_is_not_reused_early() {
+    let n = 4 * MIB; // u32 values: 16 MiB per buffer
+                     // One region with room for two such buffers: the third must wait for a freed one.
+    let Some(pool) = pool(PoolOptions {
+        allow_growth: false,
+        ..PoolOptions::with_limit(32 * MIB)
+    }) else {
+        return;
+    };
+    let ctx = pool.context();
+    let Some(f) = spin_fill_kernel(&ctx) else {
+        return;
+    };
+    let (home, x, b) = (
+        ctx.new_stream().unwrap(),
+        ctx.new_stream().unwrap(),
+        ctx.new_stream().unwrap(),
+    );
+    // SAFETY: written by the kernel before any read.
+    let other: DeviceBuffer<u32> = unsafe { pool.alloc(&x, n) }.unwrap();
+    // SAFETY: written by the kernel before any read.
+    let buf: DeviceBuffer<u32> = unsafe { pool.alloc(&home, n) }.unwrap();
+    let addr = buf.device_address();
+    // A kernel on stream X writes `buf` after about half a second (not ordered by the pool), and
+    // the home stream waits for it before the free; the home stream has no work of its own.
+    launch_spin_fill(&x, &f, &buf, 0xdead_beef, 1_000_000_000);
+    home.join(&x).unwrap();
+    drop(buf);
+    let host = vec![0x1234_5678u32; n];
+    let new = pool.clone_htod(&b, &host).unwrap();
+    assert_eq!(
+        new.device_address(),
+        addr,
+        "the test must reuse buf's block"
+    );
+    ctx.synchronize().unwrap();
+    let back = b.clone_dtoh(&new).unwrap();
+    assert!(
+        back.iter().all(|&v| v == 0x1234_5678),
+        "the kernel on stream X overwrote the block's next owner"
+    );
+    drop((other, new));
+    pool.synchronize();
+    pool.check_err().unwrap();
+}
