@@ -3,7 +3,7 @@
 //! open the device fails the test; with `BFC_REQUIRE_GPU=1` (set it on a GPU machine) a missing
 //! driver or device fails it too.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use bfc_alloc::cuda::{
     device_count, driver_available, DeviceBuffer, DevicePool, PoolError, PoolOptions,
@@ -11,6 +11,16 @@ use bfc_alloc::cuda::{
 use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
 
 const MIB: usize = 1 << 20;
+
+/// Runs the calling test alone. The tests share the device's primary context, and another test's
+/// work can delay a copy until a racing kernel is done, which hides the missing order a test is
+/// there to catch (on an H200, with the stream query or the launch's wait removed from the pool,
+/// the tests running in parallel missed it in 3 runs of 9; one at a time, in none of 8).
+fn serial() -> MutexGuard<'static, ()> {
+    static GPU: Mutex<()> = Mutex::new(());
+    GPU.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// Skips the calling test for `reason` (printed), or fails it when `BFC_REQUIRE_GPU=1`.
 fn skip<T>(reason: &str) -> Option<T> {
@@ -37,6 +47,7 @@ fn pool(options: PoolOptions) -> Option<DevicePool> {
 
 #[test]
 fn no_driver_is_an_error_not_a_panic() {
+    let _gpu = serial();
     if driver_available() {
         println!("skipping: a driver is present");
         return;
@@ -54,6 +65,7 @@ fn no_driver_is_an_error_not_a_panic() {
 
 #[test]
 fn data_round_trips() {
+    let _gpu = serial();
     let Some(pool) = pool(PoolOptions::with_limit(512 * MIB)) else {
         return;
     };
@@ -82,6 +94,7 @@ fn data_round_trips() {
 
 #[test]
 fn eight_threads_with_their_own_streams() {
+    let _gpu = serial();
     let Some(pool) = pool(PoolOptions::with_limit(1 << 30)) else {
         return;
     };
@@ -116,6 +129,7 @@ fn eight_threads_with_their_own_streams() {
 
 #[test]
 fn oom_at_the_limit_then_recovery() {
+    let _gpu = serial();
     let Some(pool) = pool(PoolOptions::with_limit(64 * MIB)) else {
         return;
     };
@@ -187,6 +201,7 @@ fn launch_spin_fill(
 
 #[test]
 fn a_buffer_still_written_on_stream_a_does_not_corrupt_the_next_owner_on_b() {
+    let _gpu = serial();
     let Some(pool) = pool(PoolOptions::with_limit(256 * MIB)) else {
         return;
     };
@@ -254,6 +269,7 @@ fn a_buffer_still_written_on_stream_a_does_not_corrupt_the_next_owner_on_b() {
 
 #[test]
 fn a_pool_for_every_device() {
+    let _gpu = serial();
     let Some(_) = pool(PoolOptions::default()) else {
         return;
     };
@@ -269,6 +285,7 @@ fn a_pool_for_every_device() {
 
 #[test]
 fn a_per_thread_stream_is_refused() {
+    let _gpu = serial();
     let Some(pool) = pool(PoolOptions::with_limit(64 * MIB)) else {
         return;
     };
@@ -280,6 +297,7 @@ fn a_per_thread_stream_is_refused() {
 
 #[test]
 fn trim_after_the_stream_is_idle_returns_the_memory() {
+    let _gpu = serial();
     let Some(pool) = pool(PoolOptions::with_limit(256 * MIB)) else {
         return;
     };
@@ -299,6 +317,7 @@ fn trim_after_the_stream_is_idle_returns_the_memory() {
 
 #[test]
 fn a_copy_on_another_stream_into_a_freed_buffer_finishes_before_its_memory_is_reused() {
+    let _gpu = serial();
     let n = 4 * MIB; // u32 values: 16 MiB per buffer
                      // One region with room for two such buffers: the third must wait for a freed one.
     let Some(pool) = pool(PoolOptions {
@@ -347,6 +366,7 @@ fn a_copy_on_another_stream_into_a_freed_buffer_finishes_before_its_memory_is_re
 
 #[test]
 fn a_second_use_on_another_stream_waits_for_the_first() {
+    let _gpu = serial();
     let Some(pool) = pool(PoolOptions::with_limit(256 * MIB)) else {
         return;
     };
@@ -381,6 +401,7 @@ fn a_second_use_on_another_stream_waits_for_the_first() {
 
 #[test]
 fn zeroing_waits_for_a_read_on_another_stream() {
+    let _gpu = serial();
     let Some(pool) = pool(PoolOptions::with_limit(256 * MIB)) else {
         return;
     };
@@ -416,6 +437,7 @@ fn zeroing_waits_for_a_read_on_another_stream() {
 
 #[test]
 fn a_kernel_on_the_home_stream_comes_after_a_use_on_another_stream() {
+    let _gpu = serial();
     let Some(pool) = pool(PoolOptions::with_limit(256 * MIB)) else {
         return;
     };
@@ -451,6 +473,7 @@ fn a_kernel_on_the_home_stream_comes_after_a_use_on_another_stream() {
 /// go back without an event, after a stream query: this checks that the query counts the wait.
 #[test]
 fn a_free_after_the_home_stream_waits_for_a_kernel_elsewhere_is_not_reused_early() {
+    let _gpu = serial();
     let n = 4 * MIB; // u32 values: 16 MiB per buffer
                      // One region with room for two such buffers: the third must wait for a freed one.
     let Some(pool) = pool(PoolOptions {
