@@ -67,8 +67,8 @@
 //! to another context's memory (`memcpy_dtod` on that context's stream) is yours to order. If you
 //! order it by making the home stream wait for an event recorded after the use, queue some work on
 //! the home stream after that wait (or wait for the use on the host) before dropping the buffer:
-//! the pool returns an idle stream's freed blocks without an event, and a stream query need not
-//! count a wait as work.
+//! the pool returns an idle stream's freed blocks without an event, and CUDA does not document
+//! that a stream query counts a wait as work (driver 580 does; a GPU test checks it).
 //!
 //! # Errors
 //!
