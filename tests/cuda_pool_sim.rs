@@ -1787,9 +1787,10 @@ fn a_panic_in_the_last_free_still_lets_the_pool_go() {
     );
 }
 
-/// The pool keeps a stream's handle only while it has pending blocks of that stream, or until the
-/// next poll after an allocation emptied its queue (so that a pool hit, alloc and free in turn,
-/// keeps its queue): then the handle goes.
+/// The pool keeps a stream's handle while it has pending blocks of that stream, and once an
+/// allocation emptied its queue, until a trim, a synchronisation, or a poll with more than 16
+/// streams' queues (so that pool hits, alloc and free in turn, keep their queues even while other
+/// streams' calls come in between): then the handle goes.
 #[test]
 fn pending_queues_let_their_stream_handle_go_once_empty() {
     let dev = SimDevice::new(GIB);
@@ -1801,20 +1802,33 @@ fn pending_queues_let_their_stream_handle_go_once_empty() {
     assert_eq!(handles(), 1, "the buffer's");
     drop(x);
     assert_eq!(handles(), 1, "the pending queue's");
-    // Same-stream reuse empties the queue, which stays until the next poll.
+    // Same-stream reuse empties the queue, which stays.
     // SAFETY: as above.
     let y = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
     assert_eq!(handles(), 2, "the buffer's and the emptied queue's");
-    // An allocation on another stream polls: the emptied queue goes.
+    // Another stream's calls poll, and the emptied queue stays while few streams have queues.
     let b = Counted(B, Arc::new(()));
     // SAFETY: as above.
     let on_b = unsafe { p.alloc::<u8>(&b, MIB) }.unwrap();
-    assert_eq!(
-        handles(),
-        1,
-        "an emptied queue kept its stream handle after a poll"
-    );
     drop(on_b);
+    assert_eq!(handles(), 2, "an emptied queue went with 2 streams' queues");
+    // With 16 more streams' queues (18 in all), the next poll drops the empty one.
+    let others: Vec<Counted> = (0..16)
+        .map(|i| Counted(SimStream(100 + i), Arc::new(())))
+        .collect();
+    // SAFETY: as above.
+    let bufs: Vec<_> = others
+        .iter()
+        .map(|s| unsafe { p.alloc::<u8>(s, MIB) }.unwrap())
+        .collect();
+    assert_eq!(handles(), 2);
+    for (i, buf) in bufs.into_iter().enumerate() {
+        drop(buf); // a free polls after it queued its block
+        let expected = if i < 15 { 2 } else { 1 };
+        assert_eq!(handles(), expected, "after {} more streams' queues", i + 1);
+    }
+    p.synchronize();
+    assert_eq!(p.stats().pending_blocks, 0);
     // A poll empties it.
     dev.enqueue(A);
     drop(y);
@@ -1839,6 +1853,38 @@ fn pending_queues_let_their_stream_handle_go_once_empty() {
     drop(w);
     p.synchronize();
     assert_eq!(handles(), 0);
+}
+
+/// Pool hits on two streams in turn (as two threads allocating on their own streams make) keep both
+/// streams' queues: neither stream's calls drop the other's emptied queue to have it re-created.
+#[test]
+fn hits_on_two_streams_in_turn_keep_both_queues() {
+    let dev = SimDevice::new(GIB);
+    let p = counting_pool(&dev, 64 * MIB);
+    let (a, b) = (Counted(A, Arc::new(())), Counted(B, Arc::new(())));
+    let handles = |s: &Counted| Arc::strong_count(&s.1) - 1;
+    for s in [&a, &b] {
+        // SAFETY: simulated memory is never read.
+        drop(unsafe { p.alloc::<u8>(s, MIB) }.unwrap());
+    }
+    for round in 0..10 {
+        // SAFETY: as above.
+        let x = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
+        // SAFETY: as above.
+        let y = unsafe { p.alloc::<u8>(&b, MIB) }.unwrap();
+        assert_eq!(
+            (handles(&a), handles(&b)),
+            (2, 2),
+            "round {round}: a buffer and a kept queue each"
+        );
+        drop(x);
+        drop(y);
+    }
+    assert_eq!(
+        p.stats().allocator.num_allocs,
+        20 + 2,
+        "every round's allocations were hits"
+    );
 }
 
 /// A failed event query keeps the batch pending (another stream does not get it) and is

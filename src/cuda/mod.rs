@@ -44,7 +44,8 @@
 //! no closed block is pending. Memory freed on a stream that stops allocating stays its own until
 //! one of the events in 3 (at most [`OPEN_LIMIT`] blocks per stream, and never past the pool's
 //! limit: out-of-memory waits for them). Pending blocks keep their stream handle alive (so does a
-//! stream's queue that an allocation just emptied, until the pool's next operation); a stream that
+//! stream's queue left empty once they were taken or came back, until [`DevicePool::trim`],
+//! [`DevicePool::synchronize`], or a call while more than 16 streams have queues); a stream that
 //! cudarc does not own (`CudaContext::wrap_borrowed_stream`) must outlive them: call
 //! [`DevicePool::synchronize`] before destroying it.
 //!

@@ -33,6 +33,12 @@ const LOCK_SPINS: u32 = 40;
 /// Emptied block lists and batch queues kept for reuse, at most, of each.
 const SPARES: usize = 16;
 
+/// Stream queues kept while some are empty, at most: with more, a poll drops the empty ones (and
+/// their stream handles). Below it, a stream whose pending blocks were all taken keeps its queue, so
+/// that threads allocating and freeing on their own streams at once do not drop and re-create each
+/// other's queues.
+const KEPT_QUEUES: usize = 16;
+
 /// Batch queues with room for more than this many batches are not kept for reuse.
 const SPARE_BATCHES_CAPACITY: usize = 16;
 
@@ -163,11 +169,9 @@ struct Batch<E> {
 /// Invariants: no batch is empty (except transiently inside a method); the batches with an event
 /// come first (events of one stream complete in order), the open and unordered ones after them.
 struct Queue<S, E> {
-    stream_id: u64,
-    /// Kept alive while blocks are pending (and, once an allocation took the last of them, until
-    /// the next allocation, free, trim or synchronisation), so that an event can still be recorded
-    /// on it, and the id of a stream the pool's handles own cannot be reused by a new stream
-    /// meanwhile.
+    /// Kept alive while blocks are pending (and, once they are all taken or back, until the queue
+    /// is dropped: see [`State::queues`]), so that an event can still be recorded on it, and the id
+    /// of a stream the pool's handles own cannot be reused by a new stream meanwhile.
     stream: S,
     batches: VecDeque<Batch<E>>,
 }
@@ -225,10 +229,15 @@ impl<E> Spares<E> {
 pub(crate) struct State<B: DeviceBackend> {
     bfc: Bfc<DeviceSource<B>, Box<[Chunk]>>,
     /// Freed blocks waiting for their stream, one queue per stream with any. Invariants: each block
-    /// is in use in `bfc`, and no queue is empty, except one that an allocation emptied: the next
-    /// free on its stream fills it again, and the next poll (an allocation, a free on another
-    /// stream, a trim or a synchronisation) drops it.
+    /// is in use in `bfc`; a queue is empty only once its blocks were taken or came back: the next
+    /// free on its stream fills it again, and a trim, a synchronisation, or a poll while there are
+    /// more than [`KEPT_QUEUES`] queues drops it.
     queues: Vec<Queue<B::Stream, B::Event>>,
+    /// The stream id of each queue, in the same order (looked up on every call without touching
+    /// the queues, which other threads' calls write).
+    queue_ids: Vec<u64>,
+    /// Batches with an event, in all queues (a poll has nothing to query without them).
+    event_batches: usize,
     spares: Spares<B::Event>,
     /// Blocks freed while the driver could neither order nor wait for their uses: kept in use in
     /// the engine forever.
@@ -274,7 +283,7 @@ impl<B: DeviceBackend> State<B> {
     }
 
     fn queue_of(&self, sid: u64) -> Option<usize> {
-        self.queues.iter().position(|q| q.stream_id == sid)
+        self.queue_ids.iter().position(|&id| id == sid)
     }
 
     /// Returns a batch's blocks to the engine and recycles its event and its block list.
@@ -291,11 +300,13 @@ impl<B: DeviceBackend> State<B> {
     /// Removes queue `qi` (without blocks left) and keeps its batch queue for reuse.
     fn remove_queue(&mut self, qi: usize) {
         let q = self.queues.swap_remove(qi);
+        self.queue_ids.swap_remove(qi);
         self.spares.put_batches(q.batches);
     }
 
     fn recycle(&mut self, order: Order<B::Event>) {
         if let Order::Event(e) = order {
+            self.event_batches -= 1;
             self.backend().recycle_event(e);
         }
     }
@@ -312,18 +323,19 @@ impl<B: DeviceBackend> State<B> {
         }
     }
 
-    /// Adds the block at `ptr` (of `size` bytes), freed on `stream`, to its stream's open blocks.
-    fn push_open(&mut self, stream: &B::Stream, ptr: usize, size: usize) {
+    /// Adds the block at `ptr` (of `size` bytes), freed on `stream`, to its stream's open blocks;
+    /// returns how many open (and unordered) blocks the stream has now.
+    fn push_open(&mut self, stream: &B::Stream, ptr: usize, size: usize) -> usize {
         let sid = B::stream_id(stream);
         let qi = match self.queue_of(sid) {
             Some(qi) => qi,
             None => {
                 let batches = self.spares.batches();
                 self.queues.push(Queue {
-                    stream_id: sid,
                     stream: stream.clone(),
                     batches,
                 });
+                self.queue_ids.push(sid);
                 self.queues.len() - 1
             }
         };
@@ -335,6 +347,7 @@ impl<B: DeviceBackend> State<B> {
                 blocks: self.spares.blocks_with((ptr, size)),
             }),
         }
+        q.open()
     }
 
     /// Pending blocks and their bytes (for statistics and reports).
@@ -345,11 +358,6 @@ impl<B: DeviceBackend> State<B> {
             .flat_map(|q| &q.batches)
             .flat_map(|b| &b.blocks);
         blocks.fold((0, 0), |(n, bytes), &(_, size)| (n + 1, bytes + size))
-    }
-
-    /// How many open or unordered blocks stream `sid` has.
-    fn open_blocks(&self, sid: u64) -> usize {
-        self.queue_of(sid).map_or(0, |qi| self.queues[qi].open())
     }
 
     /// Orders stream `sid`'s open (and unordered) blocks. If the stream is idle, all the work
@@ -375,7 +383,10 @@ impl<B: DeviceBackend> State<B> {
             Err(e) => self.defer(PoolError::Backend(e)),
         }
         let order = match self.backend().record_event(&stream) {
-            Ok(e) => Order::Event(e),
+            Ok(e) => {
+                self.event_batches += 1;
+                Order::Event(e)
+            }
             Err(e) => {
                 self.defer(PoolError::Backend(e));
                 Order::Unordered
@@ -405,13 +416,14 @@ impl<B: DeviceBackend> State<B> {
         let sids: Vec<u64> = self
             .queues
             .iter()
-            .filter(|q| {
+            .zip(&self.queue_ids)
+            .filter(|&(q, &sid)| {
                 q.batches
                     .iter()
                     .filter(|b| !matches!(b.order, Order::Event(_)))
-                    .any(|b| b.blocks.iter().any(|&(_, size)| pick(q.stream_id, size)))
+                    .any(|b| b.blocks.iter().any(|&(_, size)| pick(sid, size)))
             })
-            .map(|q| q.stream_id)
+            .map(|(_, &sid)| sid)
             .collect();
         let mut closed = false;
         for sid in sids {
@@ -426,9 +438,24 @@ impl<B: DeviceBackend> State<B> {
     }
 
     /// Returns every pending batch whose event has completed to the engine. Events of one stream
-    /// complete in order, so each stream is queried until its first unfinished event.
+    /// complete in order, so each stream is queried until its first unfinished event. Drops the
+    /// empty queues if there are more than [`KEPT_QUEUES`].
     fn poll_pending(&mut self) {
-        let mut emptied = false;
+        if self.queues.len() > KEPT_QUEUES {
+            self.drop_empty_queues();
+        }
+        debug_assert_eq!(
+            self.event_batches,
+            self.queues
+                .iter()
+                .flat_map(|q| &q.batches)
+                .filter(|b| matches!(b.order, Order::Event(_)))
+                .count(),
+            "the count of batches with an event"
+        );
+        if self.event_batches == 0 {
+            return;
+        }
         for qi in 0..self.queues.len() {
             // Only a batch with an event can be done (open and unordered ones come last).
             while let Some(Batch {
@@ -448,10 +475,6 @@ impl<B: DeviceBackend> State<B> {
                     self.release_batch(b);
                 }
             }
-            emptied |= self.queues[qi].batches.is_empty();
-        }
-        if emptied {
-            self.drop_empty_queues();
         }
     }
 
@@ -558,7 +581,7 @@ impl<B: DeviceBackend> State<B> {
                 self.recycle(b.order);
                 self.spares.put_blocks(b.blocks);
             }
-            // A queue left empty stays until the next poll: a stream that frees the buffer it
+            // A queue left empty stays (see `State::queues`): a stream that frees the buffer it
             // just got (a pool hit, alloc and free in turn) keeps its queue.
         }
         Some((ptr, size))
@@ -747,8 +770,7 @@ impl<B: DeviceBackend> Shared<B> {
         }
         // No event yet: the stream itself may reuse the block at once, and an event is recorded
         // for a batch of open blocks only when another stream may want them (see `Order::Open`).
-        st.push_open(stream, ptr as usize, size);
-        if st.open_blocks(sid) > OPEN_LIMIT {
+        if st.push_open(stream, ptr as usize, size) > OPEN_LIMIT {
             st.close(sid);
         }
         st.poll_pending();
@@ -842,6 +864,8 @@ impl<B: DeviceBackend> DevicePool<B> {
                 state: Mutex::new(State {
                     bfc,
                     queues: Vec::new(),
+                    queue_ids: Vec::new(),
+                    event_batches: 0,
                     spares: Spares {
                         blocks: Vec::with_capacity(SPARES),
                         batches: Vec::with_capacity(SPARES),
@@ -918,6 +942,7 @@ impl<B: DeviceBackend> DevicePool<B> {
         let mut st = self.shared.lock();
         st.close_all();
         st.poll_pending();
+        st.drop_empty_queues();
         let n = st.bfc.release_free_regions();
         st.collect_source_errors();
         n
