@@ -518,3 +518,133 @@ fn a_free_after_the_home_stream_waits_for_a_kernel_elsewhere_is_not_reused_early
     pool.synchronize();
     pool.check_err().unwrap();
 }
+
+const CHECK: &str = r#"
+extern "C" __global__ void check(const unsigned int *p, unsigned long long n, unsigned int v,
+                                 long long cycles, unsigned int *errors) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        if (p[i] != v) { atomicAdd(errors, 1u); }
+    }
+}
+"#;
+
+/// Random traffic on four streams: buffers filled by kernels on their home stream (after a random
+/// delay), copied on other streams (half of the sources freed right after), and freed after a
+/// kernel on the home stream that waits a while and then checks every value, all in a pool whose limit forces reuse across streams and
+/// out-of-memory waits. Any block handed to a stream before its old owner's work (a late check,
+/// a copy on another stream) has finished shows up as a wrong value in some check.
+#[test]
+fn random_traffic_on_four_streams_never_changes_a_live_buffer() {
+    let _gpu = serial();
+    let Some(pool) = pool(PoolOptions::with_limit(48 * MIB)) else {
+        return;
+    };
+    let ctx = pool.context();
+    let Some(fill) = spin_fill_kernel(&ctx) else {
+        return;
+    };
+    let check = ctx
+        .load_module(cudarc::nvrtc::compile_ptx(CHECK).expect("NVRTC compiles the check kernel"))
+        .unwrap()
+        .load_function("check")
+        .unwrap();
+    let streams: Vec<_> = (0..4).map(|_| ctx.new_stream().unwrap()).collect();
+    // The error count lives outside the pool, as a raw address, so that cudarc orders nothing
+    // between the streams on its account.
+    ctx.bind_to_thread().unwrap();
+    // SAFETY: 4 bytes, zeroed before use, freed at the end after the context is idle.
+    let errors = unsafe { cudarc::driver::result::malloc_sync(4) }.unwrap();
+    // SAFETY: `errors` is a live 4-byte allocation.
+    unsafe { cudarc::driver::result::memset_d8_sync(errors, 0, 4) }.unwrap();
+    let launch_check = |s: usize, buf: &DeviceBuffer<u32>, v: u32, cycles: i64| {
+        let n = buf.len() as u64;
+        let mut b = streams[s].launch_builder(&check);
+        b.arg(buf).arg(&n).arg(&v).arg(&cycles).arg(&errors);
+        // SAFETY: the kernel reads `n` u32 values of a buffer of `n`, and adds to a live u32.
+        unsafe { b.launch(LaunchConfig::for_num_elems(4096)) }.unwrap();
+    };
+
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    // (buffer, home stream, value)
+    let mut live: Vec<(DeviceBuffer<u32>, usize, u32)> = Vec::new();
+    let (mut tag, mut ooms, mut copies) = (0u32, 0, 0);
+    for _ in 0..4000 {
+        let r = next();
+        match r % 10 {
+            0..=4 if live.len() < 40 => {
+                let s = (r >> 8) as usize % streams.len();
+                let n = 1024 + (r >> 16) as usize % (512 << 10); // 4 KiB .. 2 MiB
+                                                                 // SAFETY: filled by the kernel before any read.
+                match unsafe { pool.alloc::<u32>(&streams[s], n) } {
+                    Ok(buf) => {
+                        tag += 1;
+                        launch_spin_fill(&streams[s], &fill, &buf, tag, (r >> 40) as i64 % 100_000);
+                        live.push((buf, s, tag));
+                    }
+                    Err(PoolError::OutOfMemory(_)) => ooms += 1,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            5 | 6 if !live.is_empty() => {
+                // A copy on another stream (a use of the source there), checked on that stream.
+                let i = (r >> 8) as usize % live.len();
+                let t = (live[i].1 + 1 + (r >> 16) as usize % 3) % streams.len();
+                let n = live[i].0.len();
+                // SAFETY: written by the copy before any read.
+                match unsafe { pool.alloc::<u32>(&streams[t], n) } {
+                    Ok(mut dst) => {
+                        streams[t].memcpy_dtod(&live[i].0, &mut dst).unwrap();
+                        let v = live[i].2;
+                        launch_check(t, &dst, v, 0);
+                        if r >> 32 & 1 == 1 {
+                            // Copy out, then free the source at once: its next owner must not
+                            // write it before the copy (queued behind stream t's work) has read it.
+                            drop(live.swap_remove(i));
+                        }
+                        live.push((dst, t, v));
+                        copies += 1;
+                    }
+                    Err(PoolError::OutOfMemory(_)) => ooms += 1,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            _ if !live.is_empty() => {
+                // A late check on the home stream, then the free: the block's next owner must not
+                // write it before the check has read it.
+                let (buf, s, v) = live.swap_remove((r >> 8) as usize % live.len());
+                launch_check(s, &buf, v, (r >> 40) as i64 % 1_000_000);
+                drop(buf);
+            }
+            _ => {}
+        }
+    }
+    for (buf, s, v) in live.drain(..) {
+        launch_check(s, &buf, v, 0);
+    }
+    ctx.synchronize().unwrap();
+    let mut found = [0u32; 1];
+    // SAFETY: the context is idle; `errors` holds 4 bytes.
+    unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut found, errors) }.unwrap();
+    // SAFETY: nothing uses `errors` any more.
+    unsafe { cudarc::driver::result::free_sync(errors) }.unwrap();
+    println!("{tag} buffers, {copies} copies, {ooms} out-of-memory refusals");
+    assert_eq!(found[0], 0, "wrong values seen by the checks");
+    assert!(
+        tag > 1000 && copies > 300,
+        "the traffic was too thin to test"
+    );
+    pool.synchronize();
+    assert_eq!(pool.stats().allocator.bytes_in_use, 0);
+    pool.check().unwrap();
+    pool.check_err().unwrap();
+    ctx.check_err().unwrap();
+}
