@@ -1909,7 +1909,9 @@ impl Heap {
             SmallFree::Freed(None) => {}
             SmallFree::Freed(Some(span)) => self.free_engine(span),
             SmallFree::OtherClass | SmallFree::NotSmall => os::fatal(format_args!(
-                "free of pointer {p:#x} with a layout whose size class is not the block's"
+                "free of pointer {p:#x}, which is not a live block of the layout's size class: a \
+                 double free (its span was given back and made again), or a free with a layout \
+                 of another size than the allocation's"
             )),
             e => small_error(p, e, ""),
         }
