@@ -242,8 +242,14 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             }
             *last_block = block;
         }
-        // Blocks that start strictly inside `c` hold no chunk start.
-        let end_block = (c.end() - r.base) >> shift;
+        // Blocks that start strictly inside `c` hold no chunk start. The block where `c` ends is
+        // one of them when `c` ends inside it and no chunk follows (the region ends mid-block).
+        let end_off = c.end() - r.base;
+        let end_block = if end_off == r.size {
+            end_off.div_ceil(1 << shift)
+        } else {
+            end_off >> shift
+        };
         let inner_end = end_block.min(block + 1 + MAP_CHECK_BLOCKS);
         let last_inner = end_block.checked_sub(1).filter(|&l| l > block);
         for b in (block + 1..inner_end).chain(last_inner) {

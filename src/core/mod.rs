@@ -644,8 +644,9 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     /// Grows or shrinks the block at `ptr` to hold `new_size` bytes without moving it, if possible.
     ///
     /// Shrinking always succeeds (the tail is split off and freed when it is at least a granule).
-    /// Growing succeeds when the next chunk is free and large enough. [`Resize::Moved`] means the
-    /// caller must allocate, copy and free.
+    /// Growing succeeds when the next chunk is free (a chunk held in a quick list counts, and is
+    /// taken off it) and large enough. [`Resize::Moved`] means the caller must allocate, copy and
+    /// free.
     pub fn resize_in_place(&mut self, ptr: usize, new_size: usize) -> Result<Resize, FreeError> {
         let h = self.lookup_in_use(ptr)?;
         let Some(want) = self.resized(new_size) else {
@@ -682,16 +683,20 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             return Ok(Resize::Moved);
         };
         let next_size = self.table.get(n).size();
-        self.bins
-            .remove(&mut self.table, n, next_size >> self.granule_shift);
+        if self.table.get(n).cached() {
+            self.quick_unlink(n, next_size >> self.granule_shift);
+        } else {
+            self.bins
+                .remove(&mut self.table, n, next_size >> self.granule_shift);
+        }
         self.merge_next(h);
         if size < have + next_size {
             // (The split cannot fail: the merge freed a record.)
             match self.split(h, want) {
+                // The rest merges with the chunk after it if that is free (possible when the
+                // successor was a cached chunk, which free neighbours do not merge with).
                 Some(t) => {
-                    let tsize = self.table.get(t).size();
-                    self.bins
-                        .insert(&mut self.table, t, tsize >> self.granule_shift);
+                    let _ = self.free_and_coalesce(t);
                 }
                 None => size = have + next_size,
             }
@@ -719,15 +724,16 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         round_up(new_size.max(1), self.config.granule).filter(|&w| w <= isize::MAX as usize)
     }
 
-    /// How block `h` grows in place to `want` bytes (more than it has): the free chunk after it
-    /// that it takes, and its size once grown (`want`, or the whole merged chunk when the rest is
-    /// too small to split off). `None` when the next chunk is in use or too small.
+    /// How block `h` grows in place to `want` bytes (more than it has): the free (or cached) chunk
+    /// after it that it takes, and its size once grown (`want`, or the whole merged chunk when the
+    /// rest is too small to split off). `None` when the next chunk is in use or too small.
     fn grow_plan(&self, h: ChunkHandle, want: usize) -> Option<(ChunkHandle, usize)> {
         let c = self.table.get(h);
         let n = c.next?;
         let next = self.table.get(n);
         let total = c.size() + next.size();
-        if next.in_use() || total < want {
+        // (A cached chunk is free to callers: `resize_in_place` takes it off its quick list.)
+        if next.allocated() || total < want {
             return None;
         }
         let size = if self.should_split(total, want) {
@@ -936,6 +942,34 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     fn num_free_chunks(&self) -> usize {
         // Every live record is a chunk: handed out, cached, or free in a bin.
         self.table.live() - self.in_use_chunks - self.cached_chunks
+    }
+
+    /// Takes cached chunk `h` off quick list `g` (wherever it is in it: a walk of at most
+    /// `quick_depth` steps) and marks it free, in no bin.
+    fn quick_unlink(&mut self, h: ChunkHandle, g: usize) {
+        let (next, size) = {
+            let c = self.table.get(h);
+            (c.free_next, c.size())
+        };
+        if self.quick_heads[g] == Some(h) {
+            self.quick_heads[g] = next;
+        } else {
+            let mut cur = self.quick_heads[g];
+            while let Some(p) = cur {
+                let pc = self.table.get_mut(p);
+                if pc.free_next == Some(h) {
+                    pc.free_next = next;
+                    break;
+                }
+                cur = pc.free_next;
+            }
+        }
+        let c = self.table.get_mut(h);
+        c.free_next = None;
+        c.set_in_use(false);
+        self.quick_len[g] -= 1;
+        self.cached_bytes -= size;
+        self.cached_chunks -= 1;
     }
 
     /// Hands out cached chunk `h`, the head of quick list `g`.

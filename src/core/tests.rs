@@ -577,6 +577,57 @@ fn resize_in_place_grows_into_free_successor_and_shrinks() {
     );
 }
 
+/// A successor held in a quick list is free to callers: a block grows into it in place, as the
+/// rustdoc of `resize_in_place` says ("when the next chunk is free and large enough").
+#[test]
+fn resize_in_place_grows_into_a_quick_listed_successor() {
+    let mut cfg = Config::host(1 << 30);
+    cfg.quick_depth = 2;
+    let mut b = engine(cfg);
+    let p = alloc(&mut b, 64, 16);
+    let q = alloc(&mut b, 64, 16);
+    let _r = alloc(&mut b, 64, 16);
+    let x = alloc(&mut b, 64, 16);
+    let _guard = alloc(&mut b, 64, 16);
+    // `q` is cached, behind `x` in the same quick list.
+    free(&mut b, q);
+    free(&mut b, x);
+    assert_eq!(b.stats().num_cached_chunks, 2);
+    assert_eq!(b.grown_end(p, 128), Some(p + 128));
+    assert_eq!(
+        b.resize_in_place(p, 128),
+        Ok(Resize::Done {
+            size: 128,
+            freed: None
+        })
+    );
+    checked(&b);
+    assert_eq!(b.stats().num_cached_chunks, 1, "`x` stays cached");
+    assert_eq!(b.stats().bytes_in_use, 128 + 64 + 64);
+    assert_eq!(b.allocate(64, 16), Ok(x));
+    // A cached successor followed by a free chunk: the rest split off the grown block merges
+    // with that free chunk.
+    cfg.quick_depth = 1;
+    let mut b = engine(cfg);
+    let p = alloc(&mut b, 64, 16);
+    let q = alloc(&mut b, 64, 16);
+    let r2 = alloc(&mut b, 64, 16);
+    let _guard = alloc(&mut b, 64, 16);
+    free(&mut b, q); // cached
+    free(&mut b, r2); // the list is full: into the bins
+    assert_eq!(b.stats().num_cached_chunks, 1);
+    assert_eq!(
+        b.resize_in_place(p, 96),
+        Ok(Resize::Done {
+            size: 96,
+            freed: None
+        })
+    );
+    checked(&b);
+    assert_eq!(b.stats().num_cached_chunks, 0);
+    assert_eq!(b.stats().bytes_in_use, 96 + 64);
+}
+
 #[test]
 fn chunk_table_exhaustion_is_an_error_not_a_crash() {
     let mut b: Sim = Bfc::new(
@@ -1587,6 +1638,30 @@ fn the_checker_sees_a_broken_pointer_map() {
     assert_eq!(broken(&b), "pointer map names a chunk inside another chunk");
     // SAFETY: as above.
     unsafe { *map.as_ptr().add(inner) = None };
+    checked(&b);
+}
+
+/// A region that ends inside a map block: that last block starts inside the region's last chunk,
+/// holds no chunk start, and a stale entry there must be reported like one in any other block
+/// that starts inside a chunk.
+#[test]
+fn the_checker_sees_a_stale_map_entry_in_a_regions_last_partial_block() {
+    let mut cfg = Config::device(12 << 10);
+    cfg.allow_growth = false;
+    let mut b = engine(cfg);
+    let p = alloc(&mut b, 256, 1);
+    // One region of 12 KiB: map blocks of 8 KiB, so block 1 is half a block, and it starts
+    // inside the free rest of the region ([256, 12 KiB)), the region's last chunk.
+    assert_eq!(b.regions[0].size, 12 << 10);
+    assert_eq!(b.regions[0].map_len, 2);
+    let hp = b.lookup_in_use(p).unwrap();
+    let map = b.regions[0].map;
+    // SAFETY: the map holds `map_len` (2) entries and is valid; the engine is not running.
+    unsafe { *map.as_ptr().add(1) = Some(hp) };
+    b.regions[0].map_used = 2;
+    assert_eq!(broken(&b), "pointer map names a chunk inside another chunk");
+    // SAFETY: as above.
+    unsafe { *map.as_ptr().add(1) = None };
     checked(&b);
 }
 
