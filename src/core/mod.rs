@@ -514,8 +514,11 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     /// [`allocate_block`](Self::allocate_block), but only a block that ends at or below `bound`
     /// (an address). When the chunk the engine picks would leave the block past it, nothing is
     /// handed out and the error is [`AllocError::BeyondBound`], which says where that block would
-    /// have ended; the caller can make memory up to there usable and try again (the engine then picks
-    /// the same chunk, or one that ends lower). (The host heap passes the end of the arena memory it has committed.)
+    /// have ended; the caller can make memory up to there usable and try again. The retry usually
+    /// picks the same chunk or one that ends lower, but not always: a refusal on the slow path has
+    /// flushed the quick lists, and the retry's fast path may then pick a chunk of a larger size
+    /// class that ends higher (another refusal to make memory usable for, never a wrong block).
+    /// (The host heap passes the end of the arena memory it has committed.)
     #[allow(
         clippy::result_large_err,
         reason = "the report is the point; the Ok path stays small"
