@@ -1887,6 +1887,48 @@ fn hits_on_two_streams_in_turn_keep_both_queues() {
     );
 }
 
+/// A stream whose queue was kept empty (its blocks came back) may go (a borrowed stream, destroyed
+/// once nothing of it is pending) and a new stream get its id: the new stream's frees then fill
+/// the kept queue, and the pool must hold the new stream's handle, not the old one, or nothing
+/// keeps the new stream alive while its blocks are pending (and the pool would query and record
+/// on the old handle).
+#[test]
+fn a_kept_empty_queue_holds_the_handle_of_the_stream_that_frees_into_it() {
+    let dev = SimDevice::new(GIB);
+    let p = counting_pool(&dev, 64 * MIB);
+    let old = Counted(A, Arc::new(()));
+    let b = Counted(B, Arc::new(()));
+    // SAFETY: simulated memory is never read.
+    let x = unsafe { p.alloc::<u8>(&old, MIB) }.unwrap();
+    dev.enqueue(A);
+    drop(x);
+    p.trim(); // A is busy: an event for the block
+    dev.complete(A);
+    // B's allocation polls: the block comes back, and A's queue stays, empty.
+    // SAFETY: as above.
+    let on_b = unsafe { p.alloc::<u8>(&b, MIB) }.unwrap();
+    assert_eq!(p.stats().pending_blocks, 0);
+    let old_handles = Arc::strong_count(&old.1) - 1;
+    assert_eq!(old_handles, 1, "the kept queue's");
+    // The old stream goes; a new one gets its id.
+    let new = Counted(A, Arc::new(()));
+    // SAFETY: as above.
+    let y = unsafe { p.alloc::<u8>(&new, MIB) }.unwrap();
+    drop(y);
+    assert_eq!(p.stats().pending_blocks, 1);
+    assert_eq!(
+        Arc::strong_count(&new.1) - 1,
+        1,
+        "the pool holds no handle of the stream whose block is pending"
+    );
+    assert_eq!(
+        Arc::strong_count(&old.1) - 1,
+        0,
+        "the pool still holds the old stream's handle"
+    );
+    drop(on_b);
+}
+
 /// A failed event query keeps the batch pending (another stream does not get it) and is
 /// reported; the next query that works returns it.
 #[test]
@@ -2078,7 +2120,7 @@ fn same_stream_reuse_refuses_a_block_that_wastes_the_fragmentation_bound() {
     p.check().unwrap();
 }
 
-/// One poll drops every queue an allocation emptied, not only when the last queue is the empty one.
+/// A trim drops every queue an allocation emptied, not only when the last queue is the empty one.
 #[test]
 fn a_poll_drops_an_emptied_queue_before_a_busy_one() {
     let dev = SimDevice::new(GIB);
@@ -2385,8 +2427,8 @@ fn a_failed_region_free_during_a_successful_allocation_is_deferred_at_once() {
     );
 }
 
-/// One poll drops every queue it empties, also one that removing an earlier emptied queue moved
-/// into that queue's place.
+/// A trim drops every queue its poll empties, also one that removing an earlier emptied queue
+/// moved into that queue's place.
 #[test]
 fn a_poll_drops_every_queue_it_empties() {
     let dev = SimDevice::new(GIB);

@@ -1,6 +1,7 @@
 //! Typed device buffers that return to their pool on drop.
 
 use core::marker::PhantomData;
+use core::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use super::backend::DeviceBackend;
@@ -22,7 +23,8 @@ pub struct DeviceBuffer<T, B: DeviceBackend = super::CudaBackend> {
     len: usize,
     /// Bytes of the block (at least `len * size_of::<T>()`).
     size: usize,
-    pub(crate) stream: B::Stream,
+    /// Taken by the pool when the buffer is dropped.
+    pub(crate) stream: ManuallyDrop<B::Stream>,
     pub(crate) uses: B::Uses,
     pool: Arc<Shared<B>>,
     _elem: PhantomData<fn() -> T>,
@@ -40,7 +42,7 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
             ptr,
             len,
             size,
-            stream,
+            stream: ManuallyDrop::new(stream),
             uses: B::Uses::default(),
             pool,
             _elem: PhantomData,
@@ -103,8 +105,13 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
 
 impl<T, B: DeviceBackend> Drop for DeviceBuffer<T, B> {
     fn drop(&mut self) {
+        // SAFETY: the handle is taken once, here, and the field is not used (nor, being
+        // `ManuallyDrop`, dropped) afterwards.
+        let stream = unsafe { ManuallyDrop::take(&mut self.stream) };
+        // The pool keeps the handle if the block's queue needs one (a free of a pool hit swaps it
+        // for the queue's own, with no count changed beyond the buffer's own drop).
         self.pool
-            .free_block(self.ptr, self.size, &self.stream, &self.uses);
+            .free_block(self.ptr, self.size, stream, &self.uses);
     }
 }
 

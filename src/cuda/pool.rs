@@ -323,20 +323,31 @@ impl<B: DeviceBackend> State<B> {
         }
     }
 
-    /// Adds the block at `ptr` (of `size` bytes), freed on `stream`, to its stream's open blocks;
-    /// returns how many open (and unordered) blocks the stream has now.
-    fn push_open(&mut self, stream: &B::Stream, ptr: usize, size: usize) -> usize {
-        let sid = B::stream_id(stream);
-        let qi = match self.queue_of(sid) {
-            Some(qi) => qi,
+    /// Adds the block at `ptr` (of `size` bytes), freed on `stream`, to its stream's open blocks.
+    /// Returns how many open (and unordered) blocks the stream has now, and a handle the pool did
+    /// not keep, for the caller to drop once it has released the lock (dropping a stream's last
+    /// handle destroys the stream).
+    fn push_open(
+        &mut self,
+        stream: B::Stream,
+        ptr: usize,
+        size: usize,
+    ) -> (usize, Option<B::Stream>) {
+        let sid = B::stream_id(&stream);
+        let (qi, unkept) = match self.queue_of(sid) {
+            // A kept empty queue may hold the handle of a stream that has gone since (a borrowed
+            // one, destroyed once nothing of it was pending) and whose id this stream now has: the
+            // queue takes this stream's handle while its blocks are pending.
+            Some(qi) if self.queues[qi].batches.is_empty() => (
+                qi,
+                Some(core::mem::replace(&mut self.queues[qi].stream, stream)),
+            ),
+            Some(qi) => (qi, Some(stream)),
             None => {
                 let batches = self.spares.batches();
-                self.queues.push(Queue {
-                    stream: stream.clone(),
-                    batches,
-                });
+                self.queues.push(Queue { stream, batches });
                 self.queue_ids.push(sid);
-                self.queues.len() - 1
+                (self.queues.len() - 1, None)
             }
         };
         let q = &mut self.queues[qi];
@@ -347,7 +358,7 @@ impl<B: DeviceBackend> State<B> {
                 blocks: self.spares.blocks_with((ptr, size)),
             }),
         }
-        q.open()
+        (q.open(), unkept)
     }
 
     /// Pending blocks and their bytes (for statistics and reports).
@@ -745,11 +756,15 @@ impl<B: DeviceBackend> Shared<B> {
         }
     }
 
-    /// Frees the block at `ptr` (of `size` bytes) used on `stream`. Never fails; errors are deferred.
-    pub(crate) fn free_block(&self, ptr: u64, size: usize, stream: &B::Stream, uses: &B::Uses) {
-        let sid = B::stream_id(stream);
+    /// Frees the block at `ptr` (of `size` bytes) used on `stream`, whose handle it takes (the
+    /// buffer's). Never fails; errors are deferred.
+    pub(crate) fn free_block(&self, ptr: u64, size: usize, stream: B::Stream, uses: &B::Uses) {
+        let sid = B::stream_id(&stream);
+        // Declared before the guard, so dropped after it: a handle the pool does not keep is
+        // dropped without the lock (which may destroy the stream).
+        let _unkept;
         let mut st = self.lock();
-        match st.backend().finish_uses(stream, uses) {
+        match st.backend().finish_uses(&stream, uses) {
             Ok(()) => {}
             Err(UsesError::Unordered(e)) => {
                 st.defer(PoolError::Backend(e));
@@ -770,7 +785,9 @@ impl<B: DeviceBackend> Shared<B> {
         }
         // No event yet: the stream itself may reuse the block at once, and an event is recorded
         // for a batch of open blocks only when another stream may want them (see `Order::Open`).
-        if st.push_open(stream, ptr as usize, size) > OPEN_LIMIT {
+        let open;
+        (open, _unkept) = st.push_open(stream, ptr as usize, size);
+        if open > OPEN_LIMIT {
             st.close(sid);
         }
         st.poll_pending();

@@ -834,7 +834,7 @@ impl<T> DeviceBuffer<T, SimBackend> {
         self.uses
             .protocol
             .home_waits_for_foreign_uses(&device, &self.stream);
-        device.enqueue(self.stream)
+        device.enqueue(*self.stream)
     }
 
     /// Starts a simulated use of the buffer on `stream` and returns its guard, as cudarc's
