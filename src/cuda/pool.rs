@@ -33,10 +33,11 @@ const LOCK_SPINS: u32 = 40;
 /// Emptied block lists and batch queues kept for reuse, at most, of each.
 const SPARES: usize = 16;
 
-/// Stream queues kept while some are empty, at most: with more, a poll drops the empty ones (and
-/// their stream handles). Below it, a stream whose pending blocks were all taken keeps its queue, so
-/// that threads allocating and freeing on their own streams at once do not drop and re-create each
-/// other's queues.
+/// Stream queues kept while some are empty, at most: with more, the poll of an allocation or a
+/// free drops the empty ones (and their stream handles), as do a trim, a synchronisation, an
+/// out-of-memory wait and the pool's drop. Up to this many, a stream whose pending blocks were all
+/// taken or came back keeps its queue, so that threads allocating and freeing on their own streams
+/// at once do not drop and re-create each other's queues.
 const KEPT_QUEUES: usize = 16;
 
 /// Batch queues with room for more than this many batches are not kept for reuse.
