@@ -104,3 +104,142 @@ fn trial() {
     println!("forks={forks}");
     assert_eq!(hung, 0, "{hung} of {forks} children hung or failed");
 }
+
+const LATE_TRIAL_ENV: &str = "BFC_FORK_LATE_REGISTRATION_TRIAL";
+const LATE_TEST_NAME: &str = "first_initialisation_that_registers_the_handlers_during_a_fork";
+/// Trials (processes), each with its own delay (see `late_trial`).
+const LATE_TRIALS: usize = 200;
+
+/// The process's first initialisation runs on one thread while another thread is inside `fork`,
+/// past the point where glibc chose which atfork handlers that fork runs (it runs another
+/// library's prepare handler, registered earlier). The handlers that the initialisation registers
+/// then do not run for that fork, so the initialisation's locks must not be taken before the fork
+/// is over: a child forked with them held would hang on its first use of an allocator.
+#[test]
+fn first_initialisation_that_registers_the_handlers_during_a_fork() {
+    if let Some(delay) = std::env::var_os(LATE_TRIAL_ENV) {
+        late_trial(delay.to_str().unwrap().parse().unwrap());
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let mut hung = Vec::new();
+    for i in 0..LATE_TRIALS {
+        // Delays from 0 to 100 us in 0.5 us steps: the initialisation is somewhere in there.
+        let delay_ns = (i % 40) * 100;
+        let out = Command::new(&exe)
+            .args(["--exact", LATE_TEST_NAME, "--nocapture", "--test-threads=1"])
+            .env(LATE_TRIAL_ENV, delay_ns.to_string())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "trial {i} failed ({}):\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let result = stdout
+            .lines()
+            .find_map(|l| l.split("child=").nth(1))
+            .expect("the trial reports its child")
+            .trim()
+            .to_owned();
+        if result != "ok" {
+            hung.push(format!("{delay_ns} ns: {result}"));
+        }
+    }
+    assert!(
+        hung.is_empty(),
+        "{} of {LATE_TRIALS} children hung or failed: {hung:?}",
+        hung.len()
+    );
+}
+
+static LATE_ARMED: AtomicBool = AtomicBool::new(false);
+static LATE_PIPE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+static LATE_READY: AtomicBool = AtomicBool::new(false);
+static LATE_GO: AtomicBool = AtomicBool::new(false);
+static LATE_STARTED: AtomicBool = AtomicBool::new(false);
+static LATE_DELAY_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Another library's prepare handler, registered before the allocator's: glibc calls it with its
+/// atfork lock released, after it chose the handlers of this fork. It starts the worker's first
+/// initialisation and lets it run for a while before the fork goes on.
+extern "C" fn late_prepare() {
+    if !LATE_ARMED.swap(false, Ordering::SeqCst) {
+        return;
+    }
+    LATE_GO.store(true, Ordering::SeqCst);
+    let fd = LATE_PIPE.load(Ordering::SeqCst);
+    // SAFETY: a one-byte write from a valid buffer to the pipe's write end.
+    unsafe { libc::write(fd, [1u8].as_ptr().cast(), 1) };
+    while !LATE_STARTED.load(Ordering::SeqCst) {
+        std::hint::spin_loop();
+    }
+    let start = std::time::Instant::now();
+    let delay = std::time::Duration::from_nanos(LATE_DELAY_NS.load(Ordering::SeqCst));
+    while start.elapsed() < delay {
+        std::hint::spin_loop();
+    }
+}
+
+/// One process: registers [`late_prepare`], then forks once while a worker runs the process's
+/// first initialisation (of `a`); the child uses `b` and `a` under an alarm.
+fn late_trial(delay_ns: u64) {
+    let config = HostConfig {
+        arena_size: 64 << 20,
+        min_arena_size: 64 << 20,
+        chunk_capacity: 1 << 12,
+        ..HostConfig::DEFAULT
+    };
+    let a: &'static GlobalBfc = Box::leak(Box::new(GlobalBfc::with_config(config)));
+    let b: &'static GlobalBfc = Box::leak(Box::new(GlobalBfc::with_config(config)));
+    // Large: the locked path, with no thread cache (whose exit hook would take libc's malloc lock,
+    // which the fork holds from after the prepare handlers on).
+    let layout = Layout::from_size_align(1 << 20, 8).unwrap();
+    LATE_DELAY_NS.store(delay_ns, Ordering::SeqCst);
+    // SAFETY: a handler that touches atomics and a pipe, and allocates nothing.
+    let rc = unsafe { libc::pthread_atfork(Some(late_prepare), None, None) };
+    assert_eq!(rc, 0);
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    LATE_PIPE.store(fds[1], Ordering::SeqCst);
+    let worker = std::thread::spawn(move || {
+        LATE_READY.store(true, Ordering::SeqCst);
+        let mut byte = 0u8;
+        // SAFETY: a one-byte read into a valid buffer from the pipe's read end.
+        let n = unsafe { libc::read(fds[0], (&mut byte as *mut u8).cast(), 1) };
+        assert_eq!(n, 1);
+        LATE_STARTED.store(true, Ordering::SeqCst);
+        // SAFETY: a non-zero layout; the block is freed with it.
+        unsafe { a.dealloc(a.alloc(layout), layout) };
+    });
+    while !LATE_READY.load(Ordering::SeqCst) {
+        std::hint::spin_loop();
+    }
+    LATE_ARMED.store(true, Ordering::SeqCst);
+    // SAFETY: the child runs only the code below and leaves with `_exit`.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        // SAFETY: plain libc calls; each block is freed with its layout.
+        unsafe {
+            libc::alarm(5);
+            let p = b.alloc(layout);
+            b.dealloc(p, layout);
+            let q = a.alloc(layout);
+            a.dealloc(q, layout);
+            libc::_exit(if p.is_null() || q.is_null() { 1 } else { 0 });
+        }
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child just forked.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    worker.join().unwrap();
+    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
+        println!("child=ok");
+    } else {
+        println!("child=status {status:#x}");
+    }
+}

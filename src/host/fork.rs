@@ -456,6 +456,23 @@ pub(super) fn install_fork_handlers() {
     };
 }
 
+/// Registers the handlers when the program (or this library) is loaded, before `main` and before
+/// any thread of the program runs. Registering at the first initialisation is not enough: glibc's
+/// `fork` picks the handlers it runs when it starts, and runs the prepare handlers that were
+/// registered before with its atfork lock released. A first initialisation on another thread
+/// meanwhile registers handlers that this fork skips, then takes the heap list's lock, and the
+/// child inherits it held (its first use of an allocator hangs). The call in `init` stays for
+/// targets without `.init_array`.
+#[cfg(all(target_os = "linux", not(loom), not(miri)))]
+#[used]
+#[link_section = ".init_array"]
+static REGISTER_AT_LOAD: extern "C" fn() = {
+    extern "C" fn at_load() {
+        install_fork_handlers();
+    }
+    at_load
+};
+
 /// Puts a new heap on the list. The caller holds the list's lock.
 pub(super) fn link_heap(anchor: &Anchor) {
     use core::sync::atomic::Ordering::Relaxed;

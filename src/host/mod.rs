@@ -99,7 +99,8 @@
 //!
 //! # `fork`
 //!
-//! A `pthread_atfork` handler (installed before the first heap's initialisation takes any lock)
+//! A `pthread_atfork` handler (installed when the program is loaded on Linux, elsewhere before the
+//! first heap's initialisation takes any lock)
 //! takes every heap's lock before a `fork` and releases it in both processes afterwards, so the
 //! child can allocate even when another thread was inside the allocator at the moment of the fork.
 //! Threads that fork at the same time take turns: each fork holds the locks from its prepare step to
