@@ -628,6 +628,154 @@ fn resize_in_place_grows_into_a_quick_listed_successor() {
     assert_eq!(b.stats().bytes_in_use, 96 + 64);
 }
 
+/// Random allocations, frees and small grows with short quick lists, so that blocks often grow
+/// into a cached successor: the checker passes after every step, `grown_end` names where each grow
+/// ends, a block grows whenever its successor is cached and large enough, the cached counters drop
+/// by exactly the chunk taken, and a grown block overlaps no live or cached block.
+#[test]
+fn random_grows_into_cached_successors_keep_the_counters_exact() {
+    use std::collections::BTreeMap;
+    let configs = [
+        (16, 1, 2, 16),
+        (16, 2, 2, 16),
+        (16, 4, 2, 16),
+        (8, 3, 0, 64),
+        (16, 2, 4, 1 << 10),
+    ];
+    let steps = if cfg!(miri) { 60 } else { 3000 };
+    for (ci, &(granule, depth, split_ratio, max_frag)) in configs.iter().enumerate() {
+        for seed in 1..=if cfg!(miri) { 1u64 } else { 4 } {
+            // Small regions that end inside a map block (`map_block_granules` granules): blocks
+            // often grow at the region's end, and the checker sees its last partial map block.
+            let mut cfg = Config::host(granule * (24 * 32 + 17));
+            cfg.granule = granule;
+            cfg.quick_max_size = 64 * granule;
+            cfg.quick_depth = depth;
+            cfg.split_ratio = split_ratio;
+            cfg.max_internal_fragmentation = max_frag;
+            let mut b = engine(cfg);
+            let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut next = move || {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng
+            };
+            let mut live: BTreeMap<usize, usize> = BTreeMap::new();
+            let mut cached: BTreeMap<usize, usize> = BTreeMap::new();
+            for step in 0..steps {
+                let at = |what: &str| std::format!("config {ci}, seed {seed}, step {step}: {what}");
+                let before = b.stats();
+                match next() % 8 {
+                    0..=2 => {
+                        let size = granule * (1 + next() as usize % 12);
+                        let got = b.allocate_block(size, 1);
+                        if let Ok(g) = got {
+                            cached.remove(&g.ptr);
+                        }
+                        if b.stats().num_cached_chunks == 0 {
+                            // The slow path flushed every quick list.
+                            cached.clear();
+                        }
+                        if let Ok(got) = got {
+                            live.insert(got.ptr, got.size);
+                        }
+                    }
+                    3 | 4 => {
+                        if live.is_empty() {
+                            continue;
+                        }
+                        let p = *live.keys().nth(next() as usize % live.len()).unwrap();
+                        let s = live.remove(&p).unwrap();
+                        b.deallocate(p).unwrap();
+                        if b.stats().num_cached_chunks > before.num_cached_chunks {
+                            cached.insert(p, s);
+                        }
+                    }
+                    _ => {
+                        if live.is_empty() {
+                            continue;
+                        }
+                        let p = *live.keys().nth(next() as usize % live.len()).unwrap();
+                        let old = live[&p];
+                        let want = old + granule * (1 + next() as usize % 6);
+                        let grown = b.grown_end(p, want);
+                        let successor = cached.get(&(p + old)).copied();
+                        match b.resize_in_place(p, want).unwrap() {
+                            Resize::Done { size, freed } => {
+                                assert!(size >= want, "{}", at("too small"));
+                                assert_eq!(freed, None, "{}", at("a grow freed"));
+                                assert_eq!(grown, Some(p + size), "{}", at("grown_end"));
+                                let after = b.stats();
+                                assert_eq!(after.bytes_in_use, before.bytes_in_use + size - old);
+                                assert_eq!(after.num_chunks_in_use, before.num_chunks_in_use);
+                                if let Some(cs) = successor {
+                                    cached.remove(&(p + old));
+                                    assert!(
+                                        size <= old + cs,
+                                        "{}",
+                                        at("grew past the cached chunk")
+                                    );
+                                    assert_eq!(
+                                        (after.num_cached_chunks, after.bytes_cached),
+                                        (before.num_cached_chunks - 1, before.bytes_cached - cs),
+                                        "{}",
+                                        at("cached counters")
+                                    );
+                                } else {
+                                    assert_eq!(
+                                        (after.num_cached_chunks, after.bytes_cached),
+                                        (before.num_cached_chunks, before.bytes_cached),
+                                        "{}",
+                                        at("cached counters")
+                                    );
+                                }
+                                for (&q, &qs) in live.iter().chain(cached.iter()) {
+                                    if q != p {
+                                        assert!(
+                                            q + qs <= p || p + size <= q,
+                                            "{}",
+                                            at("the grown block overlaps another")
+                                        );
+                                    }
+                                }
+                                live.insert(p, size);
+                            }
+                            Resize::Moved => {
+                                assert_eq!(grown, None, "{}", at("grown_end"));
+                                assert!(
+                                    successor.is_none_or(|cs| old + cs < want),
+                                    "{}",
+                                    at("a cached successor large enough was not taken")
+                                );
+                                assert_eq!(b.stats().num_cached_chunks, before.num_cached_chunks);
+                            }
+                        }
+                    }
+                }
+                if let Err(e) = b.check() {
+                    panic!("{}", at(&e.to_string()));
+                }
+                let s = b.stats();
+                assert_eq!(
+                    s.bytes_in_use,
+                    live.values().sum::<usize>(),
+                    "{}",
+                    at("in use")
+                );
+                assert_eq!(s.num_chunks_in_use, live.len(), "{}", at("chunks in use"));
+                assert_eq!(s.num_cached_chunks, cached.len(), "{}", at("cached chunks"));
+                assert_eq!(
+                    s.bytes_cached,
+                    cached.values().sum::<usize>(),
+                    "{}",
+                    at("cached")
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn chunk_table_exhaustion_is_an_error_not_a_crash() {
     let mut b: Sim = Bfc::new(

@@ -8,9 +8,9 @@ use super::tcache::{self, ThreadCache};
 use super::{reentered, Anchor};
 use crate::lock::SpinLock;
 
-/// Fork generation: incremented in every fork child by an atfork handler (installed by the first
-/// heap's initialisation). A heap that sees a new generation rebuilds its cache registry (see
-/// `Heap::after_fork`).
+/// Fork generation: incremented in every fork child by an atfork handler (installed when the
+/// program is loaded on Linux, elsewhere by the first heap's initialisation). A heap that sees a
+/// new generation rebuilds its cache registry (see `Heap::after_fork`).
 #[cfg(all(feature = "std", not(loom)))]
 static FORK_GEN: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
 /// The forking thread's cache (its address and owner id), recorded in the child: the one cache that
