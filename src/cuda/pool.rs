@@ -761,9 +761,6 @@ impl<B: DeviceBackend> Shared<B> {
     /// buffer's). Never fails; errors are deferred.
     pub(crate) fn free_block(&self, ptr: u64, size: usize, stream: B::Stream, uses: &B::Uses) {
         let sid = B::stream_id(&stream);
-        // Declared before the guard, so dropped after it: a handle the pool does not keep is
-        // dropped without the lock (which may destroy the stream).
-        let _unkept;
         let mut st = self.lock();
         match st.backend().finish_uses(&stream, uses) {
             Ok(()) => {}
@@ -786,12 +783,16 @@ impl<B: DeviceBackend> Shared<B> {
         }
         // No event yet: the stream itself may reuse the block at once, and an event is recorded
         // for a batch of open blocks only when another stream may want them (see `Order::Open`).
-        let open;
-        (open, _unkept) = st.push_open(stream, ptr as usize, size);
+        let (open, unkept) = st.push_open(stream, ptr as usize, size);
         if open > OPEN_LIMIT {
             st.close(sid);
         }
         st.poll_pending();
+        // A handle the pool did not keep goes without the lock: dropping a stream's last handle
+        // destroys the stream. (On the early returns above, `stream` itself, a parameter, is
+        // dropped after the guard.)
+        drop(st);
+        drop(unkept);
     }
 }
 
