@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bfc_alloc::cuda::{
     device_count, driver_available, DeviceBuffer, DevicePool, PoolError, PoolOptions,
 };
-use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
 const MIB: usize = 1 << 20;
 
@@ -171,7 +171,7 @@ extern "C" __global__ void spin_fill(unsigned int *p, unsigned long long n, unsi
 }
 "#;
 
-fn spin_fill_kernel(ctx: &Arc<CudaContext>) -> Option<cudarc::driver::CudaFunction> {
+fn spin_fill_kernel(ctx: &Arc<CudaContext>) -> Option<CudaFunction> {
     // SAFETY: only tries to load the NVRTC library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return skip("NVRTC (libnvrtc) is not present");
@@ -187,7 +187,7 @@ fn spin_fill_kernel(ctx: &Arc<CudaContext>) -> Option<cudarc::driver::CudaFuncti
 
 fn launch_spin_fill(
     stream: &Arc<CudaStream>,
-    f: &cudarc::driver::CudaFunction,
+    f: &CudaFunction,
     buf: &DeviceBuffer<u32>,
     value: u32,
     cycles: i64,
@@ -197,6 +197,16 @@ fn launch_spin_fill(
     b.arg(buf).arg(&n).arg(&value).arg(&cycles);
     // SAFETY: the kernel writes `n` u32 values to a buffer of `n` u32.
     unsafe { b.launch(LaunchConfig::for_num_elems(4096)) }.unwrap();
+}
+
+/// Waits for the context's work and the pool's pending frees, then checks that neither recorded
+/// an error.
+fn settle(pool: &DevicePool) {
+    let ctx = pool.context();
+    ctx.synchronize().unwrap();
+    pool.synchronize();
+    pool.check_err().unwrap();
+    ctx.check_err().unwrap();
 }
 
 #[test]
@@ -261,10 +271,7 @@ fn a_buffer_still_written_on_stream_a_does_not_corrupt_the_next_owner_on_b() {
         .all(|&x| x == 0x1234_5678));
     drop(buf);
     drop(again);
-    ctx.synchronize().unwrap();
-    pool.synchronize();
-    pool.check_err().unwrap();
-    ctx.check_err().unwrap();
+    settle(&pool);
 }
 
 #[test]
@@ -315,57 +322,17 @@ fn trim_after_the_stream_is_idle_returns_the_memory() {
     pool.check_err().unwrap();
 }
 
-#[test]
-fn a_copy_on_another_stream_into_a_freed_buffer_finishes_before_its_memory_is_reused() {
-    let _gpu = serial();
-    let n = 4 * MIB; // u32 values: 16 MiB per buffer
-                     // One region with room for two such buffers: the third must wait for a freed one.
-    let Some(pool) = pool(PoolOptions {
-        allow_growth: false,
-        ..PoolOptions::with_limit(32 * MIB)
-    }) else {
-        return;
-    };
-    let ctx = pool.context();
-    let Some(f) = spin_fill_kernel(&ctx) else {
-        return;
-    };
-    let (home, x, b) = (
-        ctx.new_stream().unwrap(),
-        ctx.new_stream().unwrap(),
-        ctx.new_stream().unwrap(),
-    );
-    // SAFETY: written by the kernel before any read.
-    let src: DeviceBuffer<u32> = unsafe { pool.alloc(&x, n) }.unwrap();
-    // SAFETY: written by the copy before any read.
-    let mut dst: DeviceBuffer<u32> = unsafe { pool.alloc(&home, n) }.unwrap();
-    let dst_addr = dst.device_address();
-    // Stream X is busy for about half a second, then copies into `dst` (a use on a stream other
-    // than dst's home stream), and `dst` is freed while that copy still waits.
-    launch_spin_fill(&x, &f, &src, 0xdead_beef, 1_000_000_000);
-    x.memcpy_dtod(&src, &mut dst).unwrap();
-    drop(dst);
-    // Stream B needs 16 MiB: only dst's block can serve it, once X's copy is done.
-    let host = vec![0x1234_5678u32; n];
-    let new = pool.clone_htod(&b, &host).unwrap();
-    assert_eq!(
-        new.device_address(),
-        dst_addr,
-        "the test must reuse dst's block"
-    );
-    ctx.synchronize().unwrap();
-    let back = b.clone_dtoh(&new).unwrap();
-    assert!(
-        back.iter().all(|&v| v == 0x1234_5678),
-        "stream X's copy overwrote the block's next owner"
-    );
-    drop((src, new));
-    pool.synchronize();
-    pool.check_err().unwrap();
+/// What comes after a copy into a buffer on another stream than its home: a read on a third
+/// stream, or a kernel on the home stream.
+#[derive(Clone, Copy)]
+enum After {
+    ReadOnAnotherStream,
+    KernelOnHome,
 }
 
-#[test]
-fn a_second_use_on_another_stream_waits_for_the_first() {
+/// Stream 1 is busy for about half a second, then copies into `buf` (a use on another stream than
+/// buf's home); what comes `after` must see that copy.
+fn a_use_after_a_copy_on_another_stream_sees_it(after: After) {
     let _gpu = serial();
     let Some(pool) = pool(PoolOptions::with_limit(256 * MIB)) else {
         return;
@@ -383,20 +350,37 @@ fn a_second_use_on_another_stream_waits_for_the_first() {
     let mut buf = pool.clone_htod(&home, &vec![0x1234_5678u32; n]).unwrap();
     // SAFETY: written by the kernel before any read.
     let slow: DeviceBuffer<u32> = unsafe { pool.alloc(&s1, n) }.unwrap();
-    // Stream 1 is busy for about half a second, then copies into `buf` (a use on another stream
-    // than buf's home); stream 2 then reads `buf` (another such use), which must see that copy.
     launch_spin_fill(&s1, &f, &slow, 0xdead_beef, 1_000_000_000);
     s1.memcpy_dtod(&slow, &mut buf).unwrap();
-    let seen = s2.clone_dtoh(&buf).unwrap();
-    assert!(
-        seen.iter().all(|&v| v == 0xdead_beef),
-        "the read on stream 2 ran before the copy on stream 1"
-    );
+    let (seen, expected, what) = match after {
+        After::ReadOnAnotherStream => (
+            s2.clone_dtoh(&buf).unwrap(),
+            0xdead_beef,
+            "the read on stream 2 ran before the copy on stream 1",
+        ),
+        After::KernelOnHome => {
+            launch_spin_fill(&home, &f, &buf, 0x42, 0);
+            ctx.synchronize().unwrap();
+            (
+                home.clone_dtoh(&buf).unwrap(),
+                0x42,
+                "the kernel on the home stream ran before the copy on stream 1",
+            )
+        }
+    };
+    assert!(seen.iter().all(|&v| v == expected), "{what}");
     drop((buf, slow));
-    ctx.synchronize().unwrap();
-    pool.synchronize();
-    pool.check_err().unwrap();
-    ctx.check_err().unwrap();
+    settle(&pool);
+}
+
+#[test]
+fn a_second_use_on_another_stream_waits_for_the_first() {
+    a_use_after_a_copy_on_another_stream_sees_it(After::ReadOnAnotherStream);
+}
+
+#[test]
+fn a_kernel_on_the_home_stream_comes_after_a_use_on_another_stream() {
+    a_use_after_a_copy_on_another_stream_sees_it(After::KernelOnHome);
 }
 
 #[test]
@@ -429,53 +413,20 @@ fn zeroing_waits_for_a_read_on_another_stream() {
     let zeroed = home.clone_dtoh(&buf).unwrap();
     assert!(zeroed.iter().all(|&v| v == 0), "the buffer was not zeroed");
     drop((buf, slow, copy));
-    ctx.synchronize().unwrap();
-    pool.synchronize();
-    pool.check_err().unwrap();
-    ctx.check_err().unwrap();
+    settle(&pool);
 }
 
-#[test]
-fn a_kernel_on_the_home_stream_comes_after_a_use_on_another_stream() {
+/// A pool with one region, room for two buffers of `n` u32 (16 MiB each): a third must wait for a
+/// freed one. One buffer on stream X and one (the victim) on its home stream; `late_use` queues on
+/// X, after about half a second, a use of the victim that the free must not outrun, and the victim
+/// is freed at once. Stream B then needs the victim's block (the only one that fits), and its data
+/// must survive: `what` names the use that would overwrite them.
+fn a_freed_block_goes_to_b_after_a_late_use_on_x(
+    late_use: impl FnOnce(&CudaFunction, &Streams, &DeviceBuffer<u32>, &mut DeviceBuffer<u32>),
+    what: &str,
+) {
     let _gpu = serial();
-    let Some(pool) = pool(PoolOptions::with_limit(256 * MIB)) else {
-        return;
-    };
-    let ctx = pool.context();
-    let Some(f) = spin_fill_kernel(&ctx) else {
-        return;
-    };
-    let (home, s1) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
-    let n = MIB;
-    let mut buf = pool.clone_htod(&home, &vec![0x1234_5678u32; n]).unwrap();
-    // SAFETY: written by the kernel before any read.
-    let slow: DeviceBuffer<u32> = unsafe { pool.alloc(&s1, n) }.unwrap();
-    // Stream 1 is busy for about half a second, then copies into `buf` (a use on another stream
-    // than buf's home); a kernel on the home stream then writes `buf`, and must run after that copy.
-    launch_spin_fill(&s1, &f, &slow, 0xdead_beef, 1_000_000_000);
-    s1.memcpy_dtod(&slow, &mut buf).unwrap();
-    launch_spin_fill(&home, &f, &buf, 0x42, 0);
-    ctx.synchronize().unwrap();
-    let seen = home.clone_dtoh(&buf).unwrap();
-    assert!(
-        seen.iter().all(|&v| v == 0x42),
-        "the kernel on the home stream ran before the copy on stream 1"
-    );
-    drop((buf, slow));
-    ctx.synchronize().unwrap();
-    pool.synchronize();
-    pool.check_err().unwrap();
-    ctx.check_err().unwrap();
-}
-
-/// The README leaves a kernel argument on another stream than the buffer's home to the caller, who
-/// may order it by making the home stream wait for it before the free. An idle home stream's frees
-/// go back without an event, after a stream query: this checks that the query counts the wait.
-#[test]
-fn a_free_after_the_home_stream_waits_for_a_kernel_elsewhere_is_not_reused_early() {
-    let _gpu = serial();
-    let n = 4 * MIB; // u32 values: 16 MiB per buffer
-                     // One region with room for two such buffers: the third must wait for a freed one.
+    let n = 4 * MIB;
     let Some(pool) = pool(PoolOptions {
         allow_growth: false,
         ..PoolOptions::with_limit(32 * MIB)
@@ -486,37 +437,65 @@ fn a_free_after_the_home_stream_waits_for_a_kernel_elsewhere_is_not_reused_early
     let Some(f) = spin_fill_kernel(&ctx) else {
         return;
     };
-    let (home, x, b) = (
-        ctx.new_stream().unwrap(),
-        ctx.new_stream().unwrap(),
-        ctx.new_stream().unwrap(),
-    );
+    let streams = Streams {
+        home: ctx.new_stream().unwrap(),
+        x: ctx.new_stream().unwrap(),
+    };
+    let b = ctx.new_stream().unwrap();
     // SAFETY: written by the kernel before any read.
-    let other: DeviceBuffer<u32> = unsafe { pool.alloc(&x, n) }.unwrap();
-    // SAFETY: written by the kernel before any read.
-    let buf: DeviceBuffer<u32> = unsafe { pool.alloc(&home, n) }.unwrap();
-    let addr = buf.device_address();
-    // A kernel on stream X writes `buf` after about half a second (not ordered by the pool), and
-    // the home stream waits for it before the free; the home stream has no work of its own.
-    launch_spin_fill(&x, &f, &buf, 0xdead_beef, 1_000_000_000);
-    home.join(&x).unwrap();
-    drop(buf);
-    let host = vec![0x1234_5678u32; n];
-    let new = pool.clone_htod(&b, &host).unwrap();
+    let on_x: DeviceBuffer<u32> = unsafe { pool.alloc(&streams.x, n) }.unwrap();
+    // SAFETY: written by the late use before any read.
+    let mut victim: DeviceBuffer<u32> = unsafe { pool.alloc(&streams.home, n) }.unwrap();
+    let addr = victim.device_address();
+    late_use(&f, &streams, &on_x, &mut victim);
+    drop(victim);
+    let new = pool.clone_htod(&b, &vec![0x1234_5678u32; n]).unwrap();
     assert_eq!(
         new.device_address(),
         addr,
-        "the test must reuse buf's block"
+        "the test must reuse the freed block"
     );
     ctx.synchronize().unwrap();
     let back = b.clone_dtoh(&new).unwrap();
     assert!(
         back.iter().all(|&v| v == 0x1234_5678),
-        "the kernel on stream X overwrote the block's next owner"
+        "{what} overwrote the block's next owner"
     );
-    drop((other, new));
-    pool.synchronize();
-    pool.check_err().unwrap();
+    drop((on_x, new));
+    settle(&pool);
+}
+
+/// The victim's home stream and stream X of [`a_freed_block_goes_to_b_after_a_late_use_on_x`].
+struct Streams {
+    home: Arc<CudaStream>,
+    x: Arc<CudaStream>,
+}
+
+#[test]
+fn a_copy_on_another_stream_into_a_freed_buffer_finishes_before_its_memory_is_reused() {
+    // A copy into the victim on X (a use on another stream than its home, which the pool orders).
+    a_freed_block_goes_to_b_after_a_late_use_on_x(
+        |f, s, src, dst| {
+            launch_spin_fill(&s.x, f, src, 0xdead_beef, 1_000_000_000);
+            s.x.memcpy_dtod(src, dst).unwrap();
+        },
+        "stream X's copy",
+    );
+}
+
+/// The README leaves a kernel argument on another stream than the buffer's home to the caller, who
+/// may order it by making the home stream wait for it before the free. An idle home stream's frees
+/// go back without an event, after a stream query: this checks that the query counts the wait.
+#[test]
+fn a_free_after_the_home_stream_waits_for_a_kernel_elsewhere_is_not_reused_early() {
+    a_freed_block_goes_to_b_after_a_late_use_on_x(
+        |f, s, _, victim| {
+            // The home stream has no work of its own, only the wait.
+            launch_spin_fill(&s.x, f, victim, 0xdead_beef, 1_000_000_000);
+            s.home.join(&s.x).unwrap();
+        },
+        "the kernel on stream X",
+    );
 }
 
 const CHECK: &str = r#"
@@ -533,8 +512,8 @@ extern "C" __global__ void check(const unsigned int *p, unsigned long long n, un
 
 /// Random traffic on four streams: buffers filled by kernels on their home stream (after a random
 /// delay), copied on other streams (half of the sources freed right after), and freed after a
-/// kernel on the home stream that waits a while and then checks every value, all in a pool whose limit forces reuse across streams and
-/// out-of-memory waits. Any block handed to a stream before its old owner's work (a late check,
+/// kernel on the home stream that waits a while and then checks every value, all in a pool whose
+/// limit forces reuse across streams and out-of-memory waits. Any block handed to a stream before its old owner's work (a late check,
 /// a copy on another stream) has finished shows up as a wrong value in some check.
 #[test]
 fn random_traffic_on_four_streams_never_changes_a_live_buffer() {

@@ -1639,6 +1639,16 @@ fn counting_pool(dev: &SimDevice, limit: usize) -> DevicePool<CountingBackend> {
     .unwrap()
 }
 
+/// `bytes` from a [`counting_pool`] on stream `s`.
+fn counted_alloc(
+    pool: &DevicePool<CountingBackend>,
+    s: &Counted,
+    bytes: usize,
+) -> DeviceBuffer<u8, CountingBackend> {
+    // SAFETY: simulated memory is never read.
+    unsafe { pool.alloc::<u8>(s, bytes) }.unwrap()
+}
+
 // SAFETY: every call goes to the simulated back end it wraps, which keeps the promises.
 unsafe impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
     type Stream = Counted;
@@ -1734,8 +1744,7 @@ fn a_panic_while_waiting_for_an_event_keeps_the_blocks_pending() {
     let a = Counted(A, Arc::new(()));
     {
         let p = counting_pool(&dev, 64 * MIB);
-        // SAFETY: simulated memory is never read.
-        let x = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
+        let x = counted_alloc(&p, &a, MIB);
         dev.enqueue(A);
         drop(x);
         PANIC_IN_EVENT_SYNC.with(|f| f.set(true));
@@ -1765,11 +1774,9 @@ fn a_panic_in_the_last_free_still_lets_the_pool_go() {
     let p = counting_pool(&dev, 256 * MIB);
     let s = Counted(PANICS_IN_FREE, Arc::new(()));
     let a = Counted(A, Arc::new(()));
-    // SAFETY: simulated memory is never read.
-    let x = unsafe { p.alloc::<u8>(&s, MIB) }.unwrap();
+    let x = counted_alloc(&p, &s, MIB);
     let region_of_x = dev.bytes_live();
-    // SAFETY: as above.
-    let y = unsafe { p.alloc::<u8>(&a, 40 * MIB) }.unwrap();
+    let y = counted_alloc(&p, &a, 40 * MIB);
     drop(p);
     drop(y);
     assert!(
@@ -1797,30 +1804,23 @@ fn pending_queues_let_their_stream_handle_go_once_empty() {
     let p = counting_pool(&dev, 64 * MIB);
     let a = Counted(A, Arc::new(()));
     let handles = || Arc::strong_count(&a.1) - 1;
-    // SAFETY: simulated memory is never read.
-    let x = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
+    let x = counted_alloc(&p, &a, MIB);
     assert_eq!(handles(), 1, "the buffer's");
     drop(x);
     assert_eq!(handles(), 1, "the pending queue's");
     // Same-stream reuse empties the queue, which stays.
-    // SAFETY: as above.
-    let y = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
+    let y = counted_alloc(&p, &a, MIB);
     assert_eq!(handles(), 2, "the buffer's and the emptied queue's");
     // Another stream's calls poll, and the emptied queue stays while few streams have queues.
     let b = Counted(B, Arc::new(()));
-    // SAFETY: as above.
-    let on_b = unsafe { p.alloc::<u8>(&b, MIB) }.unwrap();
+    let on_b = counted_alloc(&p, &b, MIB);
     drop(on_b);
     assert_eq!(handles(), 2, "an emptied queue went with 2 streams' queues");
     // With 16 more streams' queues (18 in all), the next poll drops the empty one.
     let others: Vec<Counted> = (0..16)
         .map(|i| Counted(SimStream(100 + i), Arc::new(())))
         .collect();
-    // SAFETY: as above.
-    let bufs: Vec<_> = others
-        .iter()
-        .map(|s| unsafe { p.alloc::<u8>(s, MIB) }.unwrap())
-        .collect();
+    let bufs: Vec<_> = others.iter().map(|s| counted_alloc(&p, s, MIB)).collect();
     assert_eq!(handles(), 2);
     for (i, buf) in bufs.into_iter().enumerate() {
         drop(buf); // a free polls after it queued its block
@@ -1843,11 +1843,9 @@ fn pending_queues_let_their_stream_handle_go_once_empty() {
         "an empty queue kept its stream handle after a poll"
     );
     // Reuse, then synchronise while the buffer lives: nothing pending, no handle kept.
-    // SAFETY: as above.
-    let z = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
+    let z = counted_alloc(&p, &a, MIB);
     drop(z);
-    // SAFETY: as above.
-    let w = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
+    let w = counted_alloc(&p, &a, MIB);
     p.synchronize();
     assert_eq!(handles(), 1, "the pool kept a handle with nothing pending");
     drop(w);
@@ -1864,14 +1862,11 @@ fn hits_on_two_streams_in_turn_keep_both_queues() {
     let (a, b) = (Counted(A, Arc::new(())), Counted(B, Arc::new(())));
     let handles = |s: &Counted| Arc::strong_count(&s.1) - 1;
     for s in [&a, &b] {
-        // SAFETY: simulated memory is never read.
-        drop(unsafe { p.alloc::<u8>(s, MIB) }.unwrap());
+        drop(counted_alloc(&p, s, MIB));
     }
     for round in 0..10 {
-        // SAFETY: as above.
-        let x = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
-        // SAFETY: as above.
-        let y = unsafe { p.alloc::<u8>(&b, MIB) }.unwrap();
+        let x = counted_alloc(&p, &a, MIB);
+        let y = counted_alloc(&p, &b, MIB);
         assert_eq!(
             (handles(&a), handles(&b)),
             (2, 2),
@@ -1898,22 +1893,19 @@ fn a_kept_empty_queue_holds_the_handle_of_the_stream_that_frees_into_it() {
     let p = counting_pool(&dev, 64 * MIB);
     let old = Counted(A, Arc::new(()));
     let b = Counted(B, Arc::new(()));
-    // SAFETY: simulated memory is never read.
-    let x = unsafe { p.alloc::<u8>(&old, MIB) }.unwrap();
+    let x = counted_alloc(&p, &old, MIB);
     dev.enqueue(A);
     drop(x);
     p.trim(); // A is busy: an event for the block
     dev.complete(A);
     // B's allocation polls: the block comes back, and A's queue stays, empty.
-    // SAFETY: as above.
-    let on_b = unsafe { p.alloc::<u8>(&b, MIB) }.unwrap();
+    let on_b = counted_alloc(&p, &b, MIB);
     assert_eq!(p.stats().pending_blocks, 0);
     let old_handles = Arc::strong_count(&old.1) - 1;
     assert_eq!(old_handles, 1, "the kept queue's");
     // The old stream goes; a new one gets its id.
     let new = Counted(A, Arc::new(()));
-    // SAFETY: as above.
-    let y = unsafe { p.alloc::<u8>(&new, MIB) }.unwrap();
+    let y = counted_alloc(&p, &new, MIB);
     drop(y);
     assert_eq!(p.stats().pending_blocks, 1);
     assert_eq!(
@@ -2128,15 +2120,12 @@ fn a_poll_drops_an_emptied_queue_before_a_busy_one() {
     let a = Counted(A, Arc::new(()));
     let b = Counted(B, Arc::new(()));
     let handles = || Arc::strong_count(&a.1) - 1;
-    // SAFETY: simulated memory is never read.
-    drop(unsafe { p.alloc::<u8>(&a, MIB) }.unwrap());
-    // SAFETY: as above.
-    let on_b = unsafe { p.alloc::<u8>(&b, MIB) }.unwrap();
+    drop(counted_alloc(&p, &a, MIB));
+    let on_b = counted_alloc(&p, &b, MIB);
     dev.enqueue(B);
     // B's queue comes after A's, and B stays busy.
     drop(on_b);
-    // SAFETY: as above.
-    let y = unsafe { p.alloc::<u8>(&a, MIB) }.unwrap();
+    let y = counted_alloc(&p, &a, MIB);
     assert_eq!(handles(), 2, "the buffer's and the emptied queue's");
     p.trim();
     assert_eq!(p.stats().pending_blocks, 1, "B's block is still pending");
@@ -2435,8 +2424,7 @@ fn a_poll_drops_every_queue_it_empties() {
     let p = counting_pool(&dev, 64 * MIB);
     let streams = [A, B, C].map(|s| Counted(s, Arc::new(())));
     for s in &streams {
-        // SAFETY: simulated memory is never read.
-        let buf = unsafe { p.alloc::<u8>(s, MIB) }.unwrap();
+        let buf = counted_alloc(&p, s, MIB);
         dev.enqueue(s.0);
         drop(buf);
     }

@@ -25,28 +25,37 @@ fn fork_during_the_first_initialisation_of_the_process() {
         trial();
         return;
     }
-    let exe = std::env::current_exe().unwrap();
     let mut forks = 0;
-    for i in 0..TRIALS {
-        let out = Command::new(&exe)
-            .args(["--exact", TEST_NAME, "--nocapture", "--test-threads=1"])
-            .env(TRIAL_ENV, "1")
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "trial {i} failed ({}):\n{stdout}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        forks += stdout
-            .lines()
-            .find_map(|l| l.split("forks=").nth(1))
-            .and_then(|n| n.trim().parse::<usize>().ok())
+    for _ in 0..TRIALS {
+        forks += run_trial(TEST_NAME, TRIAL_ENV, "1", "forks")
+            .parse::<usize>()
             .expect("the trial reports its forks");
     }
     println!("{TRIALS} trials, {forks} forks before the first use finished, no child hung");
+}
+
+/// Runs this binary's test `name` alone in a new process, with `env` set to `value` (which makes
+/// it run one trial), fails if the process failed, and returns what it printed after `key=`.
+fn run_trial(name: &str, env: &str, value: &str, key: &str) -> String {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(env, value)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "trial {env}={value} failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let prefix = format!("{key}=");
+    stdout
+        .lines()
+        .find_map(|l| l.split(prefix.as_str()).nth(1))
+        .unwrap_or_else(|| panic!("the trial printed no {prefix}: {stdout}"))
+        .trim()
+        .to_owned()
 }
 
 /// One process: a worker runs the process's first initialisation (of `a`) while this thread forks
@@ -121,29 +130,16 @@ fn first_initialisation_that_registers_the_handlers_during_a_fork() {
         late_trial(delay.to_str().unwrap().parse().unwrap());
         return;
     }
-    let exe = std::env::current_exe().unwrap();
     let mut hung = Vec::new();
     for i in 0..LATE_TRIALS {
         // Delays from 0 to 3.9 us in 0.1 us steps: the initialisation is somewhere in there.
         let delay_ns = (i % 40) * 100;
-        let out = Command::new(&exe)
-            .args(["--exact", LATE_TEST_NAME, "--nocapture", "--test-threads=1"])
-            .env(LATE_TRIAL_ENV, delay_ns.to_string())
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "trial {i} failed ({}):\n{stdout}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
+        let result = run_trial(
+            LATE_TEST_NAME,
+            LATE_TRIAL_ENV,
+            &delay_ns.to_string(),
+            "child",
         );
-        let result = stdout
-            .lines()
-            .find_map(|l| l.split("child=").nth(1))
-            .expect("the trial reports its child")
-            .trim()
-            .to_owned();
         if result != "ok" {
             hung.push(format!("trial {i}, {delay_ns} ns: {result}"));
             // Each hung child costs its 5 s alarm: one is enough to fail, and a broken build then

@@ -687,7 +687,8 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         };
         let next_size = self.table.get(n).size();
         if self.table.get(n).cached() {
-            self.quick_unlink(n, next_size >> self.granule_shift);
+            self.quick_detach(n, next_size >> self.granule_shift);
+            self.table.get_mut(n).set_in_use(false);
         } else {
             self.bins
                 .remove(&mut self.table, n, next_size >> self.granule_shift);
@@ -947,13 +948,14 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         self.table.live() - self.in_use_chunks - self.cached_chunks
     }
 
-    /// Takes cached chunk `h` off quick list `g` (wherever it is in it: a walk of at most
-    /// `quick_depth` steps) and marks it free, in no bin.
-    fn quick_unlink(&mut self, h: ChunkHandle, g: usize) {
-        let (next, size) = {
-            let c = self.table.get(h);
-            (c.free_next, c.size())
-        };
+    /// Takes cached chunk `h` off quick list `g` and out of the cached counts; the caller marks it
+    /// handed out or free. `h` is the list's head on an allocation; a resize may take it from
+    /// anywhere in the list (a walk of at most `quick_depth` steps).
+    #[inline]
+    fn quick_detach(&mut self, h: ChunkHandle, g: usize) {
+        let c = self.table.get_mut(h);
+        let (next, size) = (c.free_next, c.size());
+        c.free_next = None;
         if self.quick_heads[g] == Some(h) {
             self.quick_heads[g] = next;
         } else {
@@ -967,9 +969,6 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
                 cur = pc.free_next;
             }
         }
-        let c = self.table.get_mut(h);
-        c.free_next = None;
-        c.set_in_use(false);
         self.quick_len[g] -= 1;
         self.cached_bytes -= size;
         self.cached_chunks -= 1;
@@ -978,14 +977,10 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     /// Hands out cached chunk `h`, the head of quick list `g`.
     #[inline]
     fn quick_pop(&mut self, h: ChunkHandle, g: usize) -> Allocated {
+        self.quick_detach(h, g);
         let c = self.table.get_mut(h);
-        self.quick_heads[g] = c.free_next;
-        c.free_next = None;
         c.set_in_use(true);
         let (ptr, size) = (c.ptr(), c.size());
-        self.quick_len[g] -= 1;
-        self.cached_bytes -= size;
-        self.cached_chunks -= 1;
         self.note_handed_out(size);
         Allocated { ptr, size }
     }
