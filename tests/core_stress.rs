@@ -139,7 +139,9 @@ fn run(seed: u64, config: Config, table: usize, refuse_pct: u64) {
                 b.release_free_regions();
             }
             _ => {
-                b.sweep_dirty(4096, rng.next() % 2 == 0, |_, _| {});
+                // The owner refuses to return some chunks' pages (they stay unmarked).
+                let aging = rng.next() % 2 == 0;
+                b.sweep_dirty(4096, aging, |_, _| rng.next() % 4 != 0);
             }
         }
         if let Err(e) = b.check() {

@@ -866,8 +866,9 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     }
 
     /// Calls `f(ptr, size)` for every free chunk of at least `min_size` bytes that is not marked clean,
-    /// then marks it clean. The engine only keeps the flag: a caller that returns a chunk's pages to
-    /// the OS in `f` can skip it next time. A chunk loses the mark when handed out or merged with a
+    /// and marks it clean if `f` returns `true`. The engine only keeps the flag: a caller that returns
+    /// a chunk's pages to the OS in `f` can skip it next time, and one whose return was refused
+    /// (`false`) is offered the chunk again. A chunk loses the mark when handed out or merged with a
     /// chunk that has none (a freshly freed one). Returns the number of chunks passed to `f`.
     ///
     /// With `aging`, a chunk is passed to `f` only if it was already free and unchanged at the
@@ -877,7 +878,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         &mut self,
         min_size: usize,
         aging: bool,
-        mut f: impl FnMut(usize, usize),
+        mut f: impl FnMut(usize, usize) -> bool,
     ) -> usize {
         let min_g = (min_size >> self.granule_shift).max(1);
         let mut b = bin_for(min_g);
@@ -890,9 +891,9 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
                     if aging && !c.aged() {
                         c.set_aged(true);
                     } else {
-                        c.set_clean(true);
                         let (ptr, size) = (c.ptr(), c.size());
-                        f(ptr, size);
+                        let clean = f(ptr, size);
+                        self.table.get_mut(h).set_clean(clean);
                         n += 1;
                     }
                 }

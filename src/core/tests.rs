@@ -25,7 +25,10 @@ fn engine(config: Config) -> Sim {
 /// Runs a sweep of free chunks of at least `min` bytes; returns what it gave back.
 fn swept(b: &mut Sim, min: usize, aging: bool) -> Vec<(usize, usize)> {
     let mut v = Vec::new();
-    b.sweep_dirty(min, aging, |p, s| v.push((p, s)));
+    b.sweep_dirty(min, aging, |p, s| {
+        v.push((p, s));
+        true
+    });
     checked(b);
     v
 }
@@ -1255,6 +1258,38 @@ fn a_chunk_merged_with_a_fresh_free_is_not_aged() {
     let (mut b, a) = neighbour_freed_after_a_sweep(true);
     let v = swept(&mut b, 0, true);
     assert!(!v.iter().any(|&(p, _)| p == a), "{v:?}");
+}
+
+#[test]
+fn a_chunk_whose_return_was_refused_is_offered_again() {
+    for aging in [false, true] {
+        let mut b = engine(Config::device(1 << 30));
+        let mb = 1 << 20;
+        let (a, _g, x, _h) = (
+            alloc(&mut b, mb, 1),
+            alloc(&mut b, mb, 1),
+            alloc(&mut b, mb, 1),
+            alloc(&mut b, mb, 1),
+        );
+        free(&mut b, a);
+        free(&mut b, x);
+        if aging {
+            // The first aging sweep only marks them.
+            assert_eq!(swept(&mut b, 0, true), []);
+        }
+        // The owner takes `x`'s pages and refuses `a`'s.
+        let mut offered = Vec::new();
+        b.sweep_dirty(0, aging, |p, _| {
+            offered.push(p);
+            p != a
+        });
+        checked(&b);
+        offered.sort_unstable();
+        assert_eq!(offered, [a, x], "aging {aging}");
+        // Only `a` is dirty still.
+        assert_eq!(swept(&mut b, 0, aging), [(a, mb)], "aging {aging}");
+        assert_eq!(swept(&mut b, 0, aging), [], "aging {aging}");
+    }
 }
 
 /// A dirty free chunk of 1.5 MiB at the returned address, followed by a live guard block.

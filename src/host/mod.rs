@@ -1311,6 +1311,8 @@ impl Heap {
             if ptr + size == arena_end && zeroed {
                 new_brk = new_brk.min(lo);
             }
+            // A refused discard leaves the chunk unmarked: the next sweep tries its pages again.
+            zeroed
         });
         self.brk = new_brk;
         covered
