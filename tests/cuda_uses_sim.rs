@@ -355,7 +355,9 @@ fn random_uses_never_overlap_the_next_owner() {
     let streams = [A, B, C, SimStream(4), X];
     let home_context = [A, B, C, SimStream(4)];
     let sizes = [256, 4096, 100_000, MIB, 3 * MIB];
-    for seed in 1..=200u64 {
+    // (Fewer under Miri, which is slow.)
+    let (seeds, steps) = if cfg!(miri) { (3, 600) } else { (200, 3000) };
+    for seed in 1..=seeds {
         let (dev, pool) = setup();
         let mut next = xorshift(seed);
         let mut live: Vec<(Buf, Vec<Use>)> = Vec::new();
@@ -363,7 +365,7 @@ fn random_uses_never_overlap_the_next_owner() {
         let mut history: Vec<Use> = Vec::new();
         // Which contexts hold a recorded error: [the pool's, X's].
         let mut errors = [false, false];
-        for step in 0..3000 {
+        for step in 0..steps {
             match next(12) {
                 0..=2 if live.len() < 48 => {
                     let home = streams[next(4)];
@@ -618,8 +620,8 @@ fn random_uses_under_failing_driver_calls_keep_the_pool_consistent() {
     // Across all seeds: allocations refused, blocks handed out while an earlier use of them may
     // still run, and seeds that stranded blocks or not.
     let (mut ooms, mut contested, mut stranding_seeds) = (0, 0, 0);
-    // (About half a second in the test profile.)
-    const SEEDS: u64 = 200;
+    // (About half a second in the test profile; fewer seeds under Miri, which is slow.)
+    const SEEDS: u64 = if cfg!(miri) { 12 } else { 200 };
     const STEPS: usize = 600;
     for seed in 1..=SEEDS {
         let (dev, pool) = setup_with_limit(64 * MIB);
