@@ -686,6 +686,8 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             return Ok(Resize::Moved);
         };
         let next_size = self.table.get(n).size();
+        // The rest split off below lies inside `n`: its pages are as `n`'s were.
+        let next_clean = self.table.get(n).clean();
         if self.table.get(n).cached() {
             self.quick_detach(n, next_size >> self.granule_shift);
             self.table.get_mut(n).set_in_use(false);
@@ -700,6 +702,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
                 // The rest merges with the chunk after it if that is free (possible when the
                 // successor was a cached chunk, which free neighbours do not merge with).
                 Some(t) => {
+                    self.table.get_mut(t).set_clean(next_clean);
                     let _ = self.free_and_coalesce(t);
                 }
                 None => size = have + next_size,

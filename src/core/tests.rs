@@ -1292,6 +1292,34 @@ fn a_chunk_whose_return_was_refused_is_offered_again() {
     }
 }
 
+#[test]
+fn the_rest_of_a_clean_successor_a_block_grew_into_stays_clean() {
+    let mut b = engine(Config::device(1 << 30));
+    let mb = 1 << 20;
+    // One region, so that the blocks are neighbours.
+    let r = alloc(&mut b, 16 * mb, 1);
+    free(&mut b, r);
+    let (a, x, g) = (
+        alloc(&mut b, mb, 1),
+        alloc(&mut b, 4 * mb, 1),
+        alloc(&mut b, mb, 1),
+    );
+    assert_eq!((x, g), (a + mb, a + 5 * mb));
+    free(&mut b, x);
+    let v = swept(&mut b, 0, false);
+    assert!(v.contains(&(x, 4 * mb)), "{v:?}");
+    // `a` takes the first megabyte of `x`; the free rest was returned already.
+    assert_eq!(
+        b.resize_in_place(a, 2 * mb),
+        Ok(Resize::Done {
+            size: 2 * mb,
+            freed: None
+        })
+    );
+    checked(&b);
+    assert!(swept(&mut b, 0, false).is_empty());
+}
+
 /// A dirty free chunk of 1.5 MiB at the returned address, followed by a live guard block.
 fn dirty_free_chunk(b: &mut Sim) -> usize {
     let a = alloc(b, 1536 << 10, 1);
