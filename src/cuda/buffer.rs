@@ -88,8 +88,9 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
     }
 
     /// Queues on the home stream a write of zeros to the whole block, after the buffer's last use
-    /// on another stream (see [`CudaUses`](super::CudaUses)). On failure nothing is queued. Only
-    /// for element types whose all-zero bit pattern is a valid value.
+    /// on another stream (see [`CudaUses`](super::CudaUses)). On failure no write is queued (the
+    /// home stream may already wait for some of those uses). Only for element types whose all-zero
+    /// bit pattern is a valid value.
     pub fn zero(&mut self) -> Result<(), super::PoolError>
     where
         T: cudarc::driver::ValidAsZeroBits,

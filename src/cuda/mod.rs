@@ -52,6 +52,12 @@
 //! Per-thread default streams (`CudaContext::per_thread_stream`) are refused: their one handle
 //! names a different stream on every thread.
 //!
+//! Like cudarc's own calls, the pool's driver calls (in an allocation, a buffer's drop, a use on
+//! another stream) make the pool's context, or the stream's, current on the calling thread and
+//! leave it current. cudarc binds its context before each call, so only code that calls the
+//! driver directly notices: with pools on two devices, set the context you need before such a
+//! call.
+//!
 //! Stream capture (CUDA graphs) is not supported: the pool queries streams and events, allocates
 //! from the driver and records events as it goes, which a capturing stream refuses (and a capture
 //! in the global mode can be invalidated by), and a block freed during a capture would be reused

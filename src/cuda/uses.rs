@@ -270,7 +270,8 @@ impl<O: UseOps> Record<O> {
     /// Before work on the home stream that touches the buffer (a memset, or a use through a
     /// guard): makes the home stream wait for the end of the last use on another stream, and waits
     /// on the host for uses that no event orders (a guard skipped its wait, or ordering failed).
-    /// On failure nothing was ordered (queue nothing that touches the buffer).
+    /// On failure some of these waits may already be queued: queue nothing that touches the
+    /// buffer.
     fn before_home_use(&self, ops: &O, home: &O::Stream) -> Result<(), BackendError> {
         self.sync_unmarked_contexts(ops)?;
         let unordered = self.unordered.get().is_some();
