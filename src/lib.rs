@@ -4,6 +4,8 @@
 //!   a [`MemorySource`], keeps all metadata outside them, and so manages host or device memory alike.
 //! - [`GlobalBfc`] (feature `host`, on by default): the engine behind a spinlock over a reserved `mmap`
 //!   arena, usable as `#[global_allocator]`.
+//! - `bfc_alloc::cuda` (feature `cuda`): the same engine over CUDA device memory, one pool per
+//!   device.
 //!
 //! ```no_run
 //! # #[cfg(feature = "host")]

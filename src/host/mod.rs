@@ -39,7 +39,7 @@
 //!
 //! In front of the slab layer each thread keeps bounded per-class stacks of free small blocks, so most
 //! small allocations and frees take no lock (see `tcache.rs` for the protocol):
-//! - at most [`MAX_CACHED_BYTES`] (575 KiB) per thread; half a stack moves per lock acquisition;
+//! - at most [`MAX_CACHED_BYTES`] (575 KiB) per thread; a refill or an overflow moves half a stack;
 //! - a block freed on another thread joins that thread's cache; a full cache gives half a stack to
 //!   a per-class transfer cache in the heap, which the next refill of that class takes whole (at most
 //!   two stacks per class, about 1.1 MiB in all);
@@ -55,7 +55,8 @@
 //! - a thread's cache serves the first instance that uses it; other instances take the lock there.
 //!
 //! A small block is always freed with a layout of its own size class: `realloc` keeps a small block in
-//! place only within its class, and moves a large block that shrinks to a small size.
+//! place only within its class, and moves a large block that shrinks to a small size. So a shrink
+//! that moves can fail (null) when memory runs out, as any allocation can.
 //!
 //! # Giving memory back
 //!
@@ -485,7 +486,8 @@ impl GlobalBfc {
         self.with_heap(|h| h.stats()).unwrap_or_default()
     }
 
-    /// Runs the engine's invariant checker and checks the slab layer's counters.
+    /// Runs the engine's invariant checker and checks the slab layer's counters. On an instance not
+    /// used yet, it initialises the heap first (reserving the arena), as every method here does.
     pub fn check(&self) -> Result<(), CheckError> {
         self.with_heap(|h| h.check()).unwrap_or(Ok(()))
     }
@@ -1988,7 +1990,8 @@ impl Heap {
 // failure is reported as `AllocError`.
 unsafe impl allocator_api2::alloc::Allocator for GlobalBfc {
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, allocator_api2::alloc::AllocError> {
-        // SAFETY: `alloc` has no requirement beyond a valid layout; zero sizes get a granule.
+        // SAFETY: `alloc` has no requirement beyond a valid layout; a zero size gets a block of the
+        // smallest class that meets the alignment (or an engine block above 4 KiB alignment).
         let p = unsafe { GlobalAlloc::alloc(self, layout) };
         NonNull::new(p)
             .map(|p| NonNull::slice_from_raw_parts(p, layout.size()))
