@@ -18,7 +18,10 @@
 //!
 //! A second table times a pool hit (alloc and free on one stream) while 0 to 1,000 other streams
 //! hold a pending block each: the pool finds the stream's queue in a list of stream ids, and a
-//! poll queries nothing while no batch has an event.
+//! poll queries nothing while no batch has an event; a stream with a cache of its own finds its
+//! block there, without the pool's lock. A third table runs hits in 1 and 2 threads at once, each
+//! on its own stream, on the pool's lock and with stream caches (the ratio is the second over the
+//! first).
 //!
 //! Every run checks what it measures: the frees are pending, the same-stream allocations took
 //! them, and the pools' invariants hold (so the quick run under `cargo test --benches` checks the
@@ -94,9 +97,10 @@ fn run(n: usize) -> [f64; 4] {
     [free, on_other, on_same, misses]
 }
 
-/// ns per pool hit (alloc and free of 4 KiB on one stream) while `k` other streams, all busy, hold
-/// one pending block each: the cost of finding the stream's queue among `k + 1`.
-fn hit_with_streams(k: usize, hits: usize) -> f64 {
+/// ns per pool hit (alloc and free of 4 KiB on stream `s`) while `k` other streams, all busy, hold
+/// one pending block each (in their stream caches, and past 16 per cache in their queues): the
+/// cost of finding the stream's queue among the others, or its cache.
+fn hit_with_streams(s: SimStream, k: usize, hits: usize) -> f64 {
     let dev = SimDevice::new(64 << 30);
     let pool = DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(32 << 30))
         .expect("simulated pool");
@@ -110,7 +114,6 @@ fn hit_with_streams(k: usize, hits: usize) -> f64 {
         dev.enqueue(s);
     }
     drop(bufs);
-    let s = SimStream(1);
     let t = Instant::now();
     for _ in 0..hits {
         // SAFETY: as above.
@@ -163,11 +166,85 @@ fn main() {
     }
 
     println!();
-    println!("| other streams with a pending block | ns per hit (alloc + free on one stream) |");
-    println!("|---:|---:|");
+    println!("| other streams with a pending block | ns per hit (alloc + free on one stream), on the pool's lock | the same, stream with a cache |");
+    println!("|---:|---:|---:|");
     let hits = if runs == 1 { 1_000 } else { 200_000 };
     for k in [0, 16, 100, 1_000] {
-        let mut v: Vec<f64> = (0..runs).map(|_| hit_with_streams(k, hits)).collect();
-        println!("| {k} | {:.0} |", median(&mut v));
+        let mut locked = Vec::new();
+        let mut cached = Vec::new();
+        for _ in 0..runs {
+            locked.push(hit_with_streams(LOCKED[0], k, hits));
+            cached.push(hit_with_streams(CACHED[0], k, hits));
+        }
+        println!(
+            "| {k} | {:.0} | {:.0} |",
+            median(&mut locked),
+            median(&mut cached)
+        );
     }
+
+    println!();
+    println!("| threads, each on its own stream | ns per hit per thread, on the pool's lock | the same, streams with caches | ratio |");
+    println!("|---:|---:|---:|---:|");
+    for threads in [1, 2] {
+        let mut locked = Vec::new();
+        let mut cached = Vec::new();
+        for _ in 0..runs {
+            locked.push(hits_in_threads(&LOCKED[..threads], hits));
+            cached.push(hits_in_threads(&CACHED[..threads], hits));
+        }
+        let (l, c) = (median(&mut locked), median(&mut cached));
+        println!("| {threads} | {l:.0} | {c:.0} | {:.2} |", c / l);
+    }
+}
+
+/// Streams that take the pool's lock for every call (ids 1 and 2 stand for CUDA's default-stream
+/// handles, which the pool cannot tell apart across contexts).
+const LOCKED: [SimStream; 2] = [SimStream(1), SimStream(2)];
+/// Streams with stream caches of their own.
+const CACHED: [SimStream; 2] = [SimStream(3), SimStream(4)];
+
+/// ns per pool hit (alloc and free of 4 KiB) per thread, with one thread on each of `streams` at
+/// once, each stream busy (its frees stay its own).
+fn hits_in_threads(streams: &[SimStream], hits: usize) -> f64 {
+    let dev = SimDevice::new(64 << 30);
+    let pool = DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(32 << 30))
+        .expect("simulated pool");
+    for &s in streams {
+        dev.enqueue(s);
+    }
+    let barrier = std::sync::Barrier::new(streams.len());
+    let ns: Vec<f64> = std::thread::scope(|scope| {
+        let handles: Vec<_> = streams
+            .iter()
+            .map(|s| {
+                let (pool, barrier) = (&pool, &barrier);
+                scope.spawn(move || {
+                    // SAFETY: simulated memory is never read.
+                    drop(unsafe { pool.alloc::<u8>(s, 4096) }.expect("alloc"));
+                    barrier.wait();
+                    let t = Instant::now();
+                    for _ in 0..hits {
+                        // SAFETY: as above.
+                        drop(black_box(
+                            unsafe { pool.alloc::<u8>(s, 4096) }.expect("alloc"),
+                        ));
+                    }
+                    t.elapsed().as_nanos() as f64 / hits as f64
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("thread"))
+            .collect()
+    });
+    let st = pool.stats();
+    assert_eq!(
+        (st.pending_blocks, st.allocator.num_allocs),
+        (streams.len(), (streams.len() * (hits + 1)) as u64),
+        "every hit reused its stream's one block"
+    );
+    pool.check().expect("pool invariants");
+    ns.iter().sum::<f64>() / ns.len() as f64
 }

@@ -1,8 +1,8 @@
 //! Loom models of the shipped locking: the spinlock, the lazy arena initialisation, the stats, the
 //! thread caches and the `fork` prepare step, all through `GlobalBfc` itself (its lock and atomics
 //! come from the crate's sync shim, which under `--cfg loom` re-exports loom's types); and, with
-//! feature `cuda`, the device pool and the ordering of a buffer's uses on other streams, over the
-//! simulated device.
+//! feature `cuda`, the device pool (its lock and its stream caches) and the ordering of a buffer's
+//! uses on other streams, over the simulated device.
 //!
 //! Models stay at two threads: with a third, spinning waiters multiply loom's schedules past what a
 //! CI run can afford. Run (release, bounded), as `.ci/test-all.sh` does:
@@ -570,21 +570,35 @@ fn broken_lock_ordering_is_caught() {
     });
 }
 
+/// Stream pairs of the device-pool models: streams 1 and 2 take the pool's lock for every call;
+/// 3 and 4 have stream caches of their own (two caches under loom, so they may share one).
+#[cfg(feature = "cuda")]
+const STREAM_PAIRS: [[u64; 2]; 2] = [[1, 2], [3, 4]];
+
 /// Model 4 (device pool, feature `cuda`): two threads allocate, free and reallocate buffers on their
 /// own streams of one pool over the simulated device, each buffer used once on its stream. The
-/// pool's state is behind the shim's mutex (loom's here); blocks never overlap while live, the
-/// engine's invariants hold, and every block goes back once the streams' work completes. (The pool
-/// has room for all, so no block changes stream here: model 4b makes them.)
+/// pool's state is behind the shim's mutex (loom's here), and so is each stream cache; blocks
+/// never overlap while live, the engine's invariants hold, and every block goes back once the
+/// streams' work completes. (The pool has room for all, so no block changes stream here: model 4b
+/// makes them.)
 #[cfg(feature = "cuda")]
 #[test]
 fn device_pool_threads_on_two_streams() {
+    for streams in STREAM_PAIRS {
+        threads_on_two_streams(streams);
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn threads_on_two_streams(streams: [u64; 2]) {
     use bfc_alloc::cuda::{DevicePool, PoolOptions, SimDevice, SimStream};
 
-    loom::model(|| {
+    loom::model(move || {
         let dev = SimDevice::new(1 << 30);
         let pool =
             DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(64 << 20)).unwrap();
-        let handles: Vec<_> = (1..=2u64)
+        let handles: Vec<_> = streams
+            .into_iter()
             .map(|t| {
                 let pool = pool.clone();
                 thread::spawn(move || {
@@ -626,19 +640,28 @@ fn device_pool_threads_on_two_streams() {
 #[cfg(feature = "cuda")]
 #[test]
 fn device_pool_reuses_a_busy_block_across_streams() {
+    for streams in STREAM_PAIRS {
+        busy_block_across_streams(streams);
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn busy_block_across_streams(streams: [u64; 2]) {
     use bfc_alloc::cuda::{DevicePool, PoolOptions, SimDevice, SimStream};
     use std::sync::atomic::AtomicUsize;
 
     // Executions in which the second buffer reused the first one's block.
     static REUSED: AtomicUsize = AtomicUsize::new(0);
-    loom::model(|| {
+    REUSED.store(0, Ordering::Relaxed);
+    loom::model(move || {
         let dev = SimDevice::new(1 << 30);
         let options = PoolOptions {
             initial_region_size: 2 << 20,
             ..PoolOptions::with_limit(2 << 20)
         };
         let pool = DevicePool::with_backend(dev.backend(), options).unwrap();
-        let handles: Vec<_> = (1..=2u64)
+        let handles: Vec<_> = streams
+            .into_iter()
             .map(|t| {
                 let pool = pool.clone();
                 thread::spawn(move || {
@@ -679,8 +702,52 @@ fn device_pool_reuses_a_busy_block_across_streams() {
     });
     assert!(
         REUSED.load(Ordering::Relaxed) > 0,
-        "no execution reused a block across streams"
+        "streams {streams:?}: no execution reused a block across streams"
     );
+}
+
+/// Model 4c (device pool, feature `cuda`): a thread frees a buffer of its stream (one with a
+/// stream cache) and allocates the same size again, while another thread trims the pool, which
+/// moves every cached block to its stream's queue and closes it (the stream is busy: an event).
+/// Every interleaving: the stream gets its block back once (from its cache or from its queue), the
+/// counts agree, and everything goes back at the end.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_stream_cache_hit_races_a_trim() {
+    use bfc_alloc::cuda::{DevicePool, PoolOptions, SimDevice, SimStream};
+
+    const S: SimStream = SimStream(3);
+    loom::model(|| {
+        let dev = SimDevice::new(1 << 30);
+        let pool =
+            DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(64 << 20)).unwrap();
+        // SAFETY: simulated device memory is never read.
+        let first = unsafe { pool.alloc::<u8>(&S, 4096) }.unwrap();
+        // Keeps the region, which a trim would otherwise give back.
+        // SAFETY: as above.
+        let keep = unsafe { pool.alloc::<u8>(&S, 4096) }.unwrap();
+        let at = first.device_address();
+        first.simulate_use(S); // S is busy until `complete_all`
+        let t = {
+            let pool = pool.clone();
+            thread::spawn(move || {
+                drop(first);
+                // SAFETY: as above.
+                let again = unsafe { pool.alloc::<u8>(&S, 4096) }.unwrap();
+                (again.device_address(), again)
+            })
+        };
+        pool.trim();
+        let (got, again) = t.join().unwrap();
+        assert_eq!(got, at, "the stream did not get its own block back");
+        let s = pool.stats();
+        assert_eq!((s.pending_blocks, s.allocator.num_allocs), (0, 3));
+        drop((again, keep));
+        dev.complete_all();
+        pool.synchronize();
+        assert_eq!(pool.stats().allocator.bytes_in_use, 0);
+        pool.check().expect("pool invariants");
+    });
 }
 
 /// Model 5 (device pool, feature `cuda`): two threads use one buffer at once, on two other

@@ -31,6 +31,22 @@ const A: SimStream = SimStream(1);
 const B: SimStream = SimStream(2);
 const C: SimStream = SimStream(3);
 
+/// A stream with a cache of its own (see `SimBackend::stream_id_unique`), like `C`.
+const D: SimStream = SimStream(4);
+
+/// Runs `body` with two streams that take the pool's lock for every call (`A` and `B`: ids 1 and
+/// 2 stand for CUDA's default-stream handles), and again with two that have stream caches of
+/// their own (`C` and `D`): the stream model is the same on both paths.
+fn on_both_paths(body: impl Fn(SimStream, SimStream)) {
+    for (sa, sb) in [(A, B), (C, D)] {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(sa, sb)));
+        if let Err(e) = r {
+            eprintln!("with streams {sa:?} and {sb:?}");
+            std::panic::resume_unwind(e);
+        }
+    }
+}
+
 /// The system allocator, counting the allocations of each thread (tests run in parallel).
 struct Counting;
 
@@ -521,122 +537,132 @@ fn oom_report_has_the_numbers() {
 
 #[test]
 fn same_stream_reuses_at_once_other_streams_wait_for_the_event() {
-    let dev = SimDevice::new(4 * GIB);
-    let p = pool(&dev, PoolOptions::with_limit(GIB));
-    let a = alloc(&p, A, 4096).unwrap();
-    let addr = a.device_address();
-    dev.enqueue(A); // a kernel using `a`
-    drop(a);
-    assert_eq!(p.stats().pending_blocks, 1);
-    // Freed without an event: only stream A may reuse it so far.
-    assert_eq!(dev.recorded(A), 0);
+    on_both_paths(|sa, sb| {
+        let dev = SimDevice::new(4 * GIB);
+        let p = pool(&dev, PoolOptions::with_limit(GIB));
+        let a = alloc(&p, sa, 4096).unwrap();
+        let addr = a.device_address();
+        dev.enqueue(sa); // a kernel using `a`
+        drop(a);
+        assert_eq!(p.stats().pending_blocks, 1);
+        // Freed without an event: only stream sa may reuse it so far.
+        assert_eq!(dev.recorded(sa), 0);
 
-    // Another stream must not get it while A's work may still use it.
-    let b = alloc(&p, B, 4096).unwrap();
-    assert_ne!(b.device_address(), addr);
-    // The same stream gets it back at once, without waiting.
-    let a2 = alloc(&p, A, 4096).unwrap();
-    assert_eq!(a2.device_address(), addr);
-    assert_eq!((dev.recorded(A), dev.event_syncs()), (0, 0));
-    assert_eq!(p.stats().pending_blocks, 0);
+        // Another stream must not get it while sa's work may still use it.
+        let b = alloc(&p, sb, 4096).unwrap();
+        assert_ne!(b.device_address(), addr);
+        // The same stream gets it back at once, without waiting.
+        let a2 = alloc(&p, sa, 4096).unwrap();
+        assert_eq!(a2.device_address(), addr);
+        assert_eq!((dev.recorded(sa), dev.event_syncs()), (0, 0));
+        assert_eq!(p.stats().pending_blocks, 0);
 
-    dev.enqueue(A);
-    drop(a2);
-    // Trimming records the event on busy stream A; B still cannot have the block.
-    p.trim();
-    assert_eq!(dev.recorded(A), 1);
-    let b2 = alloc(&p, B, 4096).unwrap();
-    assert_ne!(b2.device_address(), addr);
-    // Once A's work is done, the block is everybody's.
-    dev.complete(A);
-    let b3 = alloc(&p, B, 4096).unwrap();
-    assert_eq!(b3.device_address(), addr);
-    assert_eq!(p.stats().pending_blocks, 0);
-    drop((b, b2, b3));
-    p.check().unwrap();
+        dev.enqueue(sa);
+        drop(a2);
+        // Trimming records the event on busy stream sa; sb still cannot have the block.
+        p.trim();
+        assert_eq!(dev.recorded(sa), 1);
+        let b2 = alloc(&p, sb, 4096).unwrap();
+        assert_ne!(b2.device_address(), addr);
+        // Once sa's work is done, the block is everybody's.
+        dev.complete(sa);
+        let b3 = alloc(&p, sb, 4096).unwrap();
+        assert_eq!(b3.device_address(), addr);
+        assert_eq!(p.stats().pending_blocks, 0);
+        drop((b, b2, b3));
+        p.check().unwrap();
+    });
 }
 
 #[test]
 fn another_streams_miss_closes_open_blocks_only_when_the_engine_has_no_room() {
-    let dev = SimDevice::new(4 * GIB);
-    let p = pool(
-        &dev,
-        PoolOptions {
-            allow_growth: false,
-            ..PoolOptions::with_limit(16 * MIB)
-        },
-    );
-    let small = alloc(&p, A, MIB).unwrap();
-    let big = alloc(&p, A, 4 * MIB).unwrap();
-    dev.enqueue(A);
-    drop((small, big));
-    // The engine has room for 1 MiB: A's blocks stay open.
-    let b = alloc(&p, B, MIB).unwrap();
-    assert_eq!(dev.recorded(A), 0);
-    drop(b);
-    // Not for 14 MiB: A's batch gets its event (A is busy), and B waits for it rather than fail.
-    let c = alloc(&p, B, 14 * MIB).unwrap();
-    assert_eq!(dev.recorded(A), 1);
-    assert_eq!(dev.event_syncs(), 1);
-    drop(c);
-    p.check().unwrap();
+    on_both_paths(|sa, sb| {
+        let dev = SimDevice::new(4 * GIB);
+        let p = pool(
+            &dev,
+            PoolOptions {
+                allow_growth: false,
+                ..PoolOptions::with_limit(16 * MIB)
+            },
+        );
+        let small = alloc(&p, sa, MIB).unwrap();
+        let big = alloc(&p, sa, 4 * MIB).unwrap();
+        dev.enqueue(sa);
+        drop((small, big));
+        // The engine has room for 1 MiB: sa's blocks stay open.
+        let b = alloc(&p, sb, MIB).unwrap();
+        assert_eq!(dev.recorded(sa), 0);
+        drop(b);
+        // Not for 14 MiB: sa's batch gets its event (sa is busy), and sb waits for it rather than fail.
+        let c = alloc(&p, sb, 14 * MIB).unwrap();
+        assert_eq!(dev.recorded(sa), 1);
+        assert_eq!(dev.event_syncs(), 1);
+        drop(c);
+        p.check().unwrap();
+    });
 }
 
 #[test]
 fn another_idle_streams_blocks_serve_a_miss_before_the_pool_grows() {
-    let dev = SimDevice::new(4 * GIB);
-    let p = pool(&dev, PoolOptions::with_limit(GIB)); // grows from a 2 MiB region
-    drop(alloc(&p, A, 2 * MIB).unwrap()); // the whole first region; A does no work: idle
-    let regions = dev.requests().len();
-    // The engine has no free chunk for 2 MiB, but A's open block fits and A is idle: it goes back
-    // and serves B, with no growth.
-    let b = alloc(&p, B, 2 * MIB).unwrap();
-    assert_eq!(dev.requests().len(), regions);
-    assert_eq!((dev.recorded(A), p.stats().pending_blocks), (0, 0));
-    drop(b);
-    p.check().unwrap();
+    on_both_paths(|sa, sb| {
+        let dev = SimDevice::new(4 * GIB);
+        let p = pool(&dev, PoolOptions::with_limit(GIB)); // grows from a 2 MiB region
+        drop(alloc(&p, sa, 2 * MIB).unwrap()); // the whole first region; sa does no work: idle
+        let regions = dev.requests().len();
+        // The engine has no free chunk for 2 MiB, but sa's open block fits and sa is idle: it goes back
+        // and serves sb, with no growth.
+        let b = alloc(&p, sb, 2 * MIB).unwrap();
+        assert_eq!(dev.requests().len(), regions);
+        assert_eq!((dev.recorded(sa), p.stats().pending_blocks), (0, 0));
+        drop(b);
+        p.check().unwrap();
+    });
 }
 
 #[test]
 fn a_stream_reusing_its_own_blocks_makes_no_driver_call() {
-    let dev = SimDevice::new(4 * GIB);
-    let p = pool(&dev, PoolOptions::with_limit(GIB));
-    let first = alloc(&p, A, 64 << 10).unwrap().device_address();
-    let requests = dev.requests().len();
-    for _ in 0..1000 {
-        let b = alloc(&p, A, 64 << 10).unwrap();
-        assert_eq!(b.device_address(), first);
-        dev.enqueue(A);
-    }
-    assert_eq!(dev.recorded(A), 0, "no event for same-stream reuse");
-    assert_eq!(dev.requests().len(), requests);
-    let s = p.stats();
-    assert_eq!((s.pending_blocks, s.pending_bytes), (1, 64 << 10));
-    assert_eq!(s.bytes_in_buffers(), 0);
-    assert!(s.to_string().contains("bytes in buffers:    0\n"), "{s}");
-    // A is busy: trimming records the event, and the block goes back once A's work is done.
-    p.trim();
-    assert_eq!(dev.recorded(A), 1);
-    assert_eq!(p.stats().pending_blocks, 1);
-    dev.complete(A);
-    p.trim();
-    assert_eq!(p.stats().pending_blocks, 0);
-    assert_eq!(dev.bytes_live(), 0);
+    on_both_paths(|sa, _| {
+        let dev = SimDevice::new(4 * GIB);
+        let p = pool(&dev, PoolOptions::with_limit(GIB));
+        let first = alloc(&p, sa, 64 << 10).unwrap().device_address();
+        let requests = dev.requests().len();
+        for _ in 0..1000 {
+            let b = alloc(&p, sa, 64 << 10).unwrap();
+            assert_eq!(b.device_address(), first);
+            dev.enqueue(sa);
+        }
+        assert_eq!(dev.recorded(sa), 0, "no event for same-stream reuse");
+        assert_eq!(dev.requests().len(), requests);
+        let s = p.stats();
+        assert_eq!((s.pending_blocks, s.pending_bytes), (1, 64 << 10));
+        assert_eq!(s.bytes_in_buffers(), 0);
+        assert!(s.to_string().contains("bytes in buffers:    0\n"), "{s}");
+        // sa is busy: trimming records the event, and the block goes back once sa's work is done.
+        p.trim();
+        assert_eq!(dev.recorded(sa), 1);
+        assert_eq!(p.stats().pending_blocks, 1);
+        dev.complete(sa);
+        p.trim();
+        assert_eq!(p.stats().pending_blocks, 0);
+        assert_eq!(dev.bytes_live(), 0);
+    });
 }
 
 #[test]
 fn an_idle_streams_blocks_go_back_without_an_event() {
-    let dev = SimDevice::new(4 * GIB);
-    let p = pool(&dev, PoolOptions::with_limit(GIB));
-    let a = alloc(&p, A, MIB).unwrap();
-    dev.enqueue(A);
-    drop(a);
-    // The stream's work is done (as after `stream.synchronize()`): trim returns the memory at once.
-    dev.complete(A);
-    assert_eq!(p.trim(), 2 * MIB);
-    assert_eq!(dev.recorded(A), 0);
-    assert_eq!((p.stats().pending_blocks, dev.bytes_live()), (0, 0));
-    p.check().unwrap();
+    on_both_paths(|sa, _| {
+        let dev = SimDevice::new(4 * GIB);
+        let p = pool(&dev, PoolOptions::with_limit(GIB));
+        let a = alloc(&p, sa, MIB).unwrap();
+        dev.enqueue(sa);
+        drop(a);
+        // The stream's work is done (as after `stream.synchronize()`): trim returns the memory at once.
+        dev.complete(sa);
+        assert_eq!(p.trim(), 2 * MIB);
+        assert_eq!(dev.recorded(sa), 0);
+        assert_eq!((p.stats().pending_blocks, dev.bytes_live()), (0, 0));
+        p.check().unwrap();
+    });
 }
 
 #[test]
@@ -666,47 +692,51 @@ fn open_blocks_are_closed_by_one_event_per_batch() {
 
 #[test]
 fn same_stream_reuse_does_not_hand_out_a_much_larger_block_and_the_miss_returns_it() {
-    let dev = SimDevice::new(4 * GIB);
-    let p = pool(&dev, PoolOptions::with_limit(GIB));
-    let big = alloc(&p, A, MIB).unwrap();
-    let addr = big.device_address();
-    dev.enqueue(A);
-    drop(big);
-    // Too big to hand out whole for 1 KiB: a miss, which records A's event.
-    let small = alloc(&p, A, 1024).unwrap();
-    assert_ne!(small.device_address(), addr);
-    assert_eq!(small.block_size(), 1024);
-    assert_eq!(dev.recorded(A), 1);
-    assert_eq!(p.stats().pending_blocks, 1);
-    dev.complete(A);
-    // The next allocation polls, the block joins the engine, and the engine splits it.
-    let again = alloc(&p, B, 2048).unwrap();
-    let s = p.stats();
-    assert_eq!(s.pending_blocks, 0);
-    assert_eq!(s.allocator.bytes_in_use, 1024 + 2048);
-    drop((small, again));
-    p.check().unwrap();
+    on_both_paths(|sa, sb| {
+        let dev = SimDevice::new(4 * GIB);
+        let p = pool(&dev, PoolOptions::with_limit(GIB));
+        let big = alloc(&p, sa, MIB).unwrap();
+        let addr = big.device_address();
+        dev.enqueue(sa);
+        drop(big);
+        // Too big to hand out whole for 1 KiB: a miss, which records sa's event.
+        let small = alloc(&p, sa, 1024).unwrap();
+        assert_ne!(small.device_address(), addr);
+        assert_eq!(small.block_size(), 1024);
+        assert_eq!(dev.recorded(sa), 1);
+        assert_eq!(p.stats().pending_blocks, 1);
+        dev.complete(sa);
+        // The next allocation polls, the block joins the engine, and the engine splits it.
+        let again = alloc(&p, sb, 2048).unwrap();
+        let s = p.stats();
+        assert_eq!(s.pending_blocks, 0);
+        assert_eq!(s.allocator.bytes_in_use, 1024 + 2048);
+        drop((small, again));
+        p.check().unwrap();
+    });
 }
 
 #[test]
 fn oom_waits_for_pending_frees_then_succeeds() {
-    let dev = SimDevice::new(64 * MIB);
-    let p = pool(
-        &dev,
-        PoolOptions {
-            allow_growth: false,
-            ..PoolOptions::with_limit(16 * MIB)
-        },
-    );
-    let a = alloc(&p, A, 12 * MIB).unwrap();
-    let addr = a.device_address();
-    dev.enqueue(A);
-    drop(a);
-    // Stream B cannot take A's pending block, and nothing else fits: the pool waits for A's event.
-    let b = alloc(&p, B, 12 * MIB).unwrap();
-    assert_eq!(b.device_address(), addr);
-    assert_eq!(dev.event_syncs(), 1);
-    assert_eq!(dev.outstanding(A), 0);
+    on_both_paths(|sa, sb| {
+        let dev = SimDevice::new(64 * MIB);
+        let p = pool(
+            &dev,
+            PoolOptions {
+                allow_growth: false,
+                ..PoolOptions::with_limit(16 * MIB)
+            },
+        );
+        let a = alloc(&p, sa, 12 * MIB).unwrap();
+        let addr = a.device_address();
+        dev.enqueue(sa);
+        drop(a);
+        // Stream sb cannot take sa's pending block, and nothing else fits: the pool waits for sa's event.
+        let b = alloc(&p, sb, 12 * MIB).unwrap();
+        assert_eq!(b.device_address(), addr);
+        assert_eq!(dev.event_syncs(), 1);
+        assert_eq!(dev.outstanding(sa), 0);
+    });
 }
 
 #[test]
@@ -928,19 +958,21 @@ fn the_last_buffers_freed_at_once_on_several_threads_let_the_pool_go() {
 
 #[test]
 fn dropping_the_pool_returns_everything_to_the_driver() {
-    let dev = SimDevice::new(GIB);
-    {
-        let p = pool(&dev, PoolOptions::with_limit(512 * MIB));
-        let a = alloc(&p, A, 3 * MIB).unwrap();
-        let b = alloc(&p, B, 30 * MIB).unwrap();
-        drop(a);
-        drop(p);
-        // The buffer keeps the pool alive.
-        assert!(dev.bytes_live() > 0);
-        drop(b);
-    }
-    assert_eq!(dev.bytes_live(), 0);
-    assert_eq!(dev.allocations_live(), 0);
+    on_both_paths(|sa, sb| {
+        let dev = SimDevice::new(GIB);
+        {
+            let p = pool(&dev, PoolOptions::with_limit(512 * MIB));
+            let a = alloc(&p, sa, 3 * MIB).unwrap();
+            let b = alloc(&p, sb, 30 * MIB).unwrap();
+            drop(a);
+            drop(p);
+            // The buffer keeps the pool alive.
+            assert!(dev.bytes_live() > 0);
+            drop(b);
+        }
+        assert_eq!(dev.bytes_live(), 0);
+        assert_eq!(dev.allocations_live(), 0);
+    });
 }
 
 /// A panic while the pool's lock is held (here in a closure given the back end) poisons the
@@ -1043,7 +1075,8 @@ fn random_ops_never_hand_a_busy_block_to_another_stream() {
     // the operations (it is about 1000x slower), under a smaller limit so that they still run out.
     let limit = if cfg!(miri) { 16 * MIB } else { 40 * MIB };
     let p = pool(&dev, PoolOptions::with_limit(limit));
-    let streams = [SimStream(1), SimStream(2), SimStream(3)];
+    // Streams 1 and 2 on the pool's lock alone, 3 and 4 with stream caches of their own.
+    let streams = [SimStream(1), SimStream(2), SimStream(3), SimStream(4)];
     // Freed ranges whose stream's work may not have completed: (lo, hi, stream, last work item).
     let mut freed: Vec<(u64, u64, SimStream, u64)> = Vec::new();
     let mut live: Vec<DeviceBuffer<u8, SimBackend>> = Vec::new();
@@ -1067,7 +1100,7 @@ fn random_ops_never_hand_a_busy_block_to_another_stream() {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
-        let s = streams[(rng >> 8) as usize % 3];
+        let s = streams[(rng >> 8) as usize % streams.len()];
         match rng % 10 {
             0..=4 => {
                 let size = 256usize << ((rng >> 16) % 14);
@@ -1235,38 +1268,42 @@ fn padding_of_over_aligned_regions_counts_against_the_limit() {
 
 #[test]
 fn same_stream_reuse_honours_the_alignment() {
-    let dev = SimDevice::new(GIB);
-    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
-    let _s = alloc(&p, A, 256).unwrap();
-    let x = alloc(&p, A, 16384).unwrap();
-    assert_ne!(
-        x.device_address() % 4096,
-        0,
-        "the setup needs a block off 4 KiB"
-    );
-    drop(x);
-    // SAFETY: simulated memory is never read.
-    let page = unsafe { p.alloc::<Page>(&A, 4) }.unwrap();
-    assert_eq!(page.device_address() % 4096, 0);
+    on_both_paths(|sa, _| {
+        let dev = SimDevice::new(GIB);
+        let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+        let _s = alloc(&p, sa, 256).unwrap();
+        let x = alloc(&p, sa, 16384).unwrap();
+        assert_ne!(
+            x.device_address() % 4096,
+            0,
+            "the setup needs a block off 4 KiB"
+        );
+        drop(x);
+        // SAFETY: simulated memory is never read.
+        let page = unsafe { p.alloc::<Page>(&sa, 4) }.unwrap();
+        assert_eq!(page.device_address() % 4096, 0);
+    });
 }
 
 #[test]
 fn same_stream_reuse_takes_the_smallest_block_that_fits() {
-    let dev = SimDevice::new(GIB);
-    let p = pool(
-        &dev,
-        PoolOptions {
-            initial_region_size: 16 * MIB,
-            ..PoolOptions::with_limit(64 * MIB)
-        },
-    );
-    let big = alloc(&p, A, 3 * MIB / 2).unwrap();
-    let small = alloc(&p, A, MIB).unwrap();
-    assert_eq!((big.block_size(), small.block_size()), (3 * MIB / 2, MIB));
-    let small_at = small.device_address();
-    drop(big);
-    drop(small);
-    assert_eq!(alloc(&p, A, MIB).unwrap().device_address(), small_at);
+    on_both_paths(|sa, _| {
+        let dev = SimDevice::new(GIB);
+        let p = pool(
+            &dev,
+            PoolOptions {
+                initial_region_size: 16 * MIB,
+                ..PoolOptions::with_limit(64 * MIB)
+            },
+        );
+        let big = alloc(&p, sa, 3 * MIB / 2).unwrap();
+        let small = alloc(&p, sa, MIB).unwrap();
+        assert_eq!((big.block_size(), small.block_size()), (3 * MIB / 2, MIB));
+        let small_at = small.device_address();
+        drop(big);
+        drop(small);
+        assert_eq!(alloc(&p, sa, MIB).unwrap().device_address(), small_at);
+    });
 }
 
 #[test]
@@ -1446,17 +1483,19 @@ fn zero_clears_the_whole_block() {
 /// it still fits): same-stream reuse must not hand it out whole.
 #[test]
 fn same_stream_reuse_refuses_a_block_the_engine_would_split_by_one_granule() {
-    let dev = SimDevice::new(GIB);
-    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
-    let x = alloc(&p, A, 512).unwrap();
-    assert_eq!(x.block_size(), 512);
-    drop(x);
-    let y = alloc(&p, A, 256).unwrap();
-    assert_eq!(
-        y.block_size(),
-        256,
-        "a block the engine would split was reused whole"
-    );
+    on_both_paths(|sa, _| {
+        let dev = SimDevice::new(GIB);
+        let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+        let x = alloc(&p, sa, 512).unwrap();
+        assert_eq!(x.block_size(), 512);
+        drop(x);
+        let y = alloc(&p, sa, 256).unwrap();
+        assert_eq!(
+            y.block_size(),
+            256,
+            "a block the engine would split was reused whole"
+        );
+    });
 }
 
 /// Same-stream reuse that empties a batch with an event hands the event back at once.
@@ -2019,23 +2058,25 @@ fn same_stream_reuse_finds_the_newest_free_behind_thousands_of_older_ones() {
 /// engine does not see).
 #[test]
 fn num_allocs_counts_allocations_served_from_pending_blocks() {
-    let dev = SimDevice::new(GIB);
-    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
-    let first = alloc(&p, A, 4096).unwrap();
-    let addr = first.device_address();
-    drop(first);
-    for _ in 0..9 {
-        let b = alloc(&p, A, 4096).unwrap();
-        assert_eq!(
-            b.device_address(),
-            addr,
-            "not served from the pending block"
-        );
-    }
-    assert_eq!(p.stats().allocator.num_allocs, 10);
-    let other = alloc(&p, B, 4096).unwrap();
-    assert_eq!(p.stats().allocator.num_allocs, 11);
-    drop(other);
+    on_both_paths(|sa, sb| {
+        let dev = SimDevice::new(GIB);
+        let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+        let first = alloc(&p, sa, 4096).unwrap();
+        let addr = first.device_address();
+        drop(first);
+        for _ in 0..9 {
+            let b = alloc(&p, sa, 4096).unwrap();
+            assert_eq!(
+                b.device_address(),
+                addr,
+                "not served from the pending block"
+            );
+        }
+        assert_eq!(p.stats().allocator.num_allocs, 10);
+        let other = alloc(&p, sb, 4096).unwrap();
+        assert_eq!(p.stats().allocator.num_allocs, 11);
+        drop(other);
+    });
 }
 
 /// Out of memory with no pending frees: nothing can come back, so the pool reports it after one
@@ -2103,16 +2144,18 @@ fn a_chunk_capacity_beyond_what_the_engine_can_index_is_an_error() {
 /// engine, so it is not handed out whole; the miss returns it and the engine splits it.
 #[test]
 fn same_stream_reuse_refuses_a_block_that_wastes_the_fragmentation_bound() {
-    let dev = SimDevice::new(4 * GIB);
-    let p = pool(&dev, PoolOptions::with_limit(GIB));
-    drop(alloc(&p, A, 328 * MIB).unwrap());
-    let b = alloc(&p, A, 200 * MIB).unwrap();
-    assert_eq!(
-        b.block_size(),
-        200 * MIB,
-        "a block 128 MiB too large handed out whole"
-    );
-    p.check().unwrap();
+    on_both_paths(|sa, _| {
+        let dev = SimDevice::new(4 * GIB);
+        let p = pool(&dev, PoolOptions::with_limit(GIB));
+        drop(alloc(&p, sa, 328 * MIB).unwrap());
+        let b = alloc(&p, sa, 200 * MIB).unwrap();
+        assert_eq!(
+            b.block_size(),
+            200 * MIB,
+            "a block 128 MiB too large handed out whole"
+        );
+        p.check().unwrap();
+    });
 }
 
 /// A trim drops every queue an allocation emptied, not only when the last queue is the empty one.
@@ -2277,21 +2320,23 @@ fn same_stream_reuse_scans_exactly_the_256_newest_pending_blocks() {
 /// takes the most recently freed one, as it does for an exact fit.
 #[test]
 fn same_stream_reuse_takes_the_newest_of_equal_blocks() {
-    let dev = SimDevice::new(GIB);
-    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
-    let x = alloc(&p, A, MIB).unwrap();
-    let y = alloc(&p, A, MIB).unwrap();
-    let y_at = y.device_address();
-    dev.enqueue(A); // A is busy: the frees stay pending
-    drop(x);
-    drop(y);
-    let z = alloc(&p, A, MIB - 256).unwrap();
-    assert_eq!(z.block_size(), MIB, "not served whole from a pending block");
-    assert_eq!(
-        z.device_address(),
-        y_at,
-        "an older block of the same size taken"
-    );
+    on_both_paths(|sa, _| {
+        let dev = SimDevice::new(GIB);
+        let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+        let x = alloc(&p, sa, MIB).unwrap();
+        let y = alloc(&p, sa, MIB).unwrap();
+        let y_at = y.device_address();
+        dev.enqueue(sa); // sa is busy: the frees stay pending
+        drop(x);
+        drop(y);
+        let z = alloc(&p, sa, MIB - 256).unwrap();
+        assert_eq!(z.block_size(), MIB, "not served whole from a pending block");
+        assert_eq!(
+            z.device_address(),
+            y_at,
+            "an older block of the same size taken"
+        );
+    });
 }
 
 /// When waiting for an event fails and the device-wide wait that replaces it fails too, both
@@ -2378,21 +2423,23 @@ fn check_err_returns_the_oldest_deferred_error() {
 /// granule.
 #[test]
 fn a_zero_byte_request_reuses_a_pending_granule_of_its_stream() {
-    let dev = SimDevice::new(GIB);
-    let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
-    let _keep = alloc(&p, A, MIB).unwrap();
-    let a = alloc(&p, A, 1).unwrap();
-    assert_eq!(a.block_size(), 256);
-    let a_at = a.device_address();
-    dev.enqueue(A); // A is busy: the free stays pending
-    drop(a);
-    let z = alloc(&p, A, 0).unwrap();
-    assert_eq!(
-        z.device_address(),
-        a_at,
-        "the pending granule was not reused"
-    );
-    assert_eq!(p.stats().pending_blocks, 0);
+    on_both_paths(|sa, _| {
+        let dev = SimDevice::new(GIB);
+        let p = pool(&dev, PoolOptions::with_limit(64 * MIB));
+        let _keep = alloc(&p, sa, MIB).unwrap();
+        let a = alloc(&p, sa, 1).unwrap();
+        assert_eq!(a.block_size(), 256);
+        let a_at = a.device_address();
+        dev.enqueue(sa); // sa is busy: the free stays pending
+        drop(a);
+        let z = alloc(&p, sa, 0).unwrap();
+        assert_eq!(
+            z.device_address(),
+            a_at,
+            "the pending granule was not reused"
+        );
+        assert_eq!(p.stats().pending_blocks, 0);
+    });
 }
 
 /// A region the engine gives back to make room for growth, during an allocation that succeeds,
@@ -2504,4 +2551,110 @@ fn a_refused_pointer_map_is_reported_as_a_host_allocation_failure() {
     assert!(dev.requests().contains(&(1 << 62)), "{:?}", dev.requests());
     // An ordinary allocation still works.
     drop(alloc(&p, A, MIB).unwrap());
+}
+
+// ---- Stream caches: streams with a unique id free into and reuse from a cache of their own ----
+
+/// Streams whose ids share a stream cache (200 streams, 64 caches) each get back their own block:
+/// another stream's may still be in use by that stream's work.
+#[test]
+fn streams_sharing_a_cache_take_only_their_own_blocks() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    let streams: Vec<SimStream> = (10..210).map(SimStream).collect();
+    let bufs: Vec<_> = streams
+        .iter()
+        .map(|&s| alloc(&p, s, 4096).unwrap())
+        .collect();
+    let addrs: Vec<u64> = bufs.iter().map(|b| b.device_address()).collect();
+    for &s in &streams {
+        dev.enqueue(s); // a kernel using the stream's buffer
+    }
+    drop(bufs);
+    assert_eq!(p.stats().pending_blocks, streams.len());
+    // In the order of the frees, so that a stream that took the newest block of its cache would
+    // take another stream's.
+    for (&s, &at) in streams.iter().zip(&addrs) {
+        let b = alloc(&p, s, 4096).unwrap();
+        assert_eq!(
+            b.device_address(),
+            at,
+            "stream {s:?} got another stream's block"
+        );
+        std::mem::forget(b); // (kept out of the caches until the check below)
+    }
+    let s = p.stats();
+    assert_eq!((s.pending_blocks, s.allocator.num_allocs), (0, 400));
+    assert!(streams.iter().all(|&s| dev.recorded(s) == 0));
+}
+
+/// A stream's frees past what its cache holds go to its queue, and the stream reuses all of them
+/// with no event (up to `OPEN_LIMIT` in the queue).
+#[test]
+fn a_full_stream_cache_sends_frees_to_the_queue() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    let n = 16 + OPEN_LIMIT;
+    let bufs: Vec<_> = (0..n).map(|_| alloc(&p, C, 4096).unwrap()).collect();
+    let mut addrs: Vec<u64> = bufs.iter().map(|b| b.device_address()).collect();
+    dev.enqueue(C);
+    drop(bufs);
+    let s = p.stats();
+    assert_eq!((s.pending_blocks, s.pending_bytes), (n, n * 4096));
+    let requests = dev.requests().len();
+    let again: Vec<_> = (0..n).map(|_| alloc(&p, C, 4096).unwrap()).collect();
+    let mut got: Vec<u64> = again.iter().map(|b| b.device_address()).collect();
+    addrs.sort_unstable();
+    got.sort_unstable();
+    assert_eq!(got, addrs);
+    assert_eq!((dev.recorded(C), dev.requests().len()), (0, requests));
+    assert_eq!(p.stats().pending_blocks, 0);
+    // One more free puts `OPEN_LIMIT + 1` open blocks in the queue: they get their event.
+    let one_more = alloc(&p, C, 4096).unwrap();
+    drop(again);
+    assert_eq!(dev.recorded(C), 0);
+    drop(one_more);
+    assert_eq!(dev.recorded(C), 1);
+    p.check().unwrap();
+}
+
+/// An allocation that fails only for its alignment (the engine's largest free chunk is large
+/// enough) still waits for the blocks in other streams' caches before it reports out of memory.
+#[test]
+fn out_of_memory_for_alignment_waits_for_cached_blocks() {
+    on_both_paths(|sa, sb| {
+        let dev = SimDevice::new(GIB);
+        let p = pool(
+            &dev,
+            PoolOptions {
+                allow_growth: false,
+                ..PoolOptions::with_limit(16 * MIB)
+            },
+        );
+        let y = alloc(&p, sb, 4 * MIB).unwrap();
+        let h1 = alloc(&p, A, 256).unwrap();
+        let f = alloc(&p, A, 4 * MIB + 256).unwrap();
+        let h2 = alloc(&p, A, 8 * MIB - 512).unwrap();
+        let base = y.device_address();
+        assert_eq!(base % 4096, 0);
+        assert_eq!(f.device_address(), base + 4 * MIB as u64 + 256);
+        assert_eq!(
+            h2.device_address() + h2.block_size() as u64,
+            base + 16 * MIB as u64
+        );
+        drop(f);
+        p.trim(); // `A` is idle: `f` goes back to the engine
+                  // Free: 4 MiB + 256 bytes, starting 256 bytes past a 4 KiB boundary.
+        assert_eq!(p.stats().allocator.largest_free_block, 4 * MIB + 256);
+        let at = y.device_address();
+        dev.enqueue(sb);
+        drop(y);
+        // 4 MiB at 4 KiB alignment: only `y`'s block, once `sb`'s work is done.
+        // SAFETY: simulated memory is never read.
+        let page = unsafe { p.alloc::<Page>(&sa, 1024) }.unwrap();
+        assert_eq!(page.device_address(), at);
+        assert_eq!(dev.event_syncs(), 1);
+        drop((h1, h2, page));
+        p.check().unwrap();
+    });
 }

@@ -57,6 +57,10 @@ impl std::error::Error for BackendError {}
 ///   in order, and [`stream_id`](Self::stream_id) gives two accepted streams the same id only if
 ///   they are the same stream (a clone names the same stream): a block freed on a stream is handed
 ///   to that stream's next allocation without any wait;
+/// - [`stream_id_unique`](Self::stream_id_unique) says `true` only of an id no other stream can
+///   have while its stream lives, and [`uses_none`](Self::uses_none) only when
+///   [`finish_uses`](Self::finish_uses) would have nothing to order: the pool then skips both
+///   calls;
 /// - [`record_event`](Self::record_event) marks everything queued on its stream so far;
 ///   [`stream_done`](Self::stream_done), [`event_done`](Self::event_done),
 ///   [`event_sync`](Self::event_sync), [`synchronize`](Self::synchronize) and
@@ -101,6 +105,25 @@ pub unsafe trait DeviceBackend: Send + 'static {
 
     /// A value identifying `stream`: equal for handles of the same stream, distinct otherwise.
     fn stream_id(stream: &Self::Stream) -> u64;
+
+    /// Whether `id` (from [`stream_id`](Self::stream_id)) names one stream in the whole process:
+    /// no other stream, of any context or device, including streams
+    /// [`check_stream`](Self::check_stream) refuses, has this id while that stream lives. The pool
+    /// then serves the stream's own frees and reuses through a per-stream cache with a lock of its
+    /// own, without checking the stream again. The default, `false`, keeps every call on the
+    /// pool's lock.
+    fn stream_id_unique(id: u64) -> bool {
+        let _ = id;
+        false
+    }
+
+    /// Whether `uses` records no use on any stream but the buffer's own, so that
+    /// [`finish_uses`](Self::finish_uses) would do nothing and succeed. The default, `false`,
+    /// always calls it.
+    fn uses_none(uses: &Self::Uses) -> bool {
+        let _ = uses;
+        false
+    }
 
     /// Whether all the work queued on `stream` so far has finished (no waiting).
     fn stream_done(&mut self, stream: &Self::Stream) -> Result<bool, BackendError>;

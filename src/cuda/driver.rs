@@ -181,6 +181,16 @@ unsafe impl DeviceBackend for CudaBackend {
         stream.cu_stream() as usize as u64
     }
 
+    fn stream_id_unique(id: u64) -> bool {
+        // The null (0), legacy (1) and per-thread (2) handles are the same in every context; any
+        // other handle is the address of a live stream's driver object.
+        id > PER_THREAD_STREAM as u64
+    }
+
+    fn uses_none(uses: &CudaUses) -> bool {
+        uses.protocol.is_unused()
+    }
+
     fn record_event(&mut self, stream: &Arc<CudaStream>) -> Result<CudaEvent, BackendError> {
         let ev = match self.events.pop() {
             Some(e) => e,

@@ -25,6 +25,16 @@
 //!    to poll pending events, or to close A's blocks, see 3).
 //! 2. An allocation on the same stream A may take a fitting pending block of A immediately: its work
 //!    is queued before anything the new owner queues on A, so stream order protects it.
+//!
+//!    *Stream caches.* For a stream whose handle names it alone in the process (every stream but
+//!    the null, legacy and per-thread default streams, whose handles are the same in every
+//!    context), 1 and 2 first go through a stream cache: 64 per pool, picked by the stream's
+//!    handle, each with a lock of its own and room for 16 open blocks. A free of a buffer never
+//!    used on another stream puts its block there, and an allocation on the stream takes a
+//!    fitting one of its own blocks from there, without the pool's lock, so threads allocating
+//!    on their own streams do not wait for each other. What does not fit in the cache, and every
+//!    free of a buffer used on another stream, takes the pool's lock as before. Everything below
+//!    that closes or counts a stream's open blocks includes its cached ones.
 //! 3. A's open blocks (and those whose event could not be recorded) are *closed* together: if A is
 //!    idle (all its queued work has finished), every pending block of A goes straight back to the
 //!    engine; otherwise one event is recorded on A for all of them. This
@@ -34,16 +44,17 @@
 //!    [`synchronize`](DevicePool::synchronize), out-of-memory and the pool's drop. An event recorded
 //!    later than the free covers all the work queued before it, so this only delays the release.
 //! 4. A closed block goes back to the engine, for every stream, once its event has completed.
-//!    Pending events are polled on every allocation and free (one query per stream and event: a
-//!    stream's events complete in order).
+//!    Pending events are polled on every allocation and free that takes the pool's lock (one query
+//!    per stream and event: a stream's events complete in order).
 //! 5. Before reporting out-of-memory, the pool waits for every pending block's work, returns them
 //!    all, and tries again: from the returned blocks if they fit, and otherwise after giving fully
 //!    free regions back to the driver to grow by a region that fits.
 //!
 //! A stream that allocates and frees the same sizes in a loop is served with no driver call while
-//! no closed block is pending. Memory freed on a stream that stops allocating stays its own until
-//! one of the events in 3 (at most [`OPEN_LIMIT`] blocks per stream, and never past the pool's
-//! limit: out-of-memory waits for them). Pending blocks keep their stream handle alive (so does a
+//! no closed block is pending (and, on a stream with a cache, with no lock but its cache's).
+//! Memory freed on a stream that stops allocating stays its own until one of the events in 3 (at
+//! most [`OPEN_LIMIT`] blocks per stream in its queue and 16 per stream cache, and never past the
+//! pool's limit: out-of-memory waits for them). Pending blocks keep their stream handle alive (so does a
 //! stream's queue left empty once they were taken or came back, until [`DevicePool::trim`],
 //! [`DevicePool::synchronize`], or a call while more than 16 streams have queues); a stream that
 //! cudarc does not own (`CudaContext::wrap_borrowed_stream`) must outlive them: call

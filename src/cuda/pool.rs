@@ -40,6 +40,15 @@ const SPARES: usize = 16;
 /// at once do not drop and re-create each other's queues.
 const KEPT_QUEUES: usize = 16;
 
+/// Stream caches of a pool (a power of two): a stream whose id is unique in the process (see
+/// [`DeviceBackend::stream_id_unique`]) frees into and reuses from the cache its id hashes to, under
+/// that cache's lock instead of the pool's. Fewer under loom, to keep its models small.
+const STREAM_CACHES: usize = if cfg!(loom) { 2 } else { 64 };
+
+/// Blocks a stream cache holds at most (of all the streams that hash to it); a free that finds it
+/// full goes to the stream's queue under the pool's lock.
+const STREAM_CACHE_BLOCKS: usize = 16;
+
 /// Batch queues with room for more than this many batches are not kept for reuse.
 const SPARE_BATCHES_CAPACITY: usize = 16;
 
@@ -138,9 +147,10 @@ pub fn min_system_memory(available: usize, cc_major: i32) -> usize {
     }
 }
 
-/// Blocks of one stream that wait, freed without an event, for that stream to reuse them; the free
-/// of one more closes them all: they go back to the engine if the stream is idle, otherwise one
-/// event is recorded for all of them (see the [module documentation](super)).
+/// Blocks of one stream that wait in its queue, freed without an event, for that stream to reuse
+/// them; the free of one more closes them all: they go back to the engine if the stream is idle,
+/// otherwise one event is recorded for all of them (see the [module documentation](super)).
+/// Blocks in a stream cache (16 at most per cache) do not count.
 pub const OPEN_LIMIT: usize = 32;
 
 /// How a batch of pending blocks is ordered after the work queued before their frees on their
@@ -226,9 +236,82 @@ impl<E> Spares<E> {
     }
 }
 
+/// A block freed on its stream and not yet ordered (open, as in [`Order::Open`]), in a stream
+/// cache.
+struct Cached<S> {
+    /// [`DeviceBackend::stream_id`] of `stream`.
+    sid: u64,
+    ptr: usize,
+    size: usize,
+    /// The freeing buffer's handle: keeps the stream (and so its id) alive while the block waits.
+    stream: S,
+}
+
+/// One stream cache: open blocks of the streams whose ids hash to it, oldest first. Its lock is
+/// taken on its own (a hit or free of such a stream) or inside the pool's lock (which moves the
+/// blocks to their streams' queues), never the other way round.
+struct StreamCache<S> {
+    blocks: Vec<Cached<S>>,
+    /// Allocations this cache served.
+    hits: u64,
+}
+
+/// A stream cache on cache lines of its own.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+/// A pool's stream caches.
+type Caches<S> = Box<[Padded<Mutex<StreamCache<S>>>]>;
+
+/// The stream cache of stream id `sid`: Fibonacci hashing, because stream handles are addresses
+/// whose low bits repeat.
+fn cache_index(sid: u64) -> usize {
+    (sid.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize & (STREAM_CACHES - 1)
+}
+
+/// Whether a pending block of `size` bytes at `ptr` serves `want` bytes (granules) at `align` as a
+/// whole block would: aligned, large enough, and not so large that the engine would split it.
+fn fits_whole(config: &Config, ptr: usize, size: usize, want: usize, align: usize) -> bool {
+    if size < want || ptr % align != 0 {
+        return false;
+    }
+    let left = size - want;
+    let would_split = left >= GRANULE
+        && ((config.split_ratio != 0 && size / config.split_ratio >= want)
+            || left >= config.max_internal_fragmentation);
+    !would_split
+}
+
+/// Moves the cached blocks of stream `only` (of every stream: `None`) in `caches` to their
+/// streams' queues in `st` as open blocks, oldest first. The caller holds the pool's lock (`st`).
+fn drain<B: DeviceBackend>(caches: &Caches<B::Stream>, st: &mut State<B>, only: Option<u64>) {
+    let caches = match only {
+        Some(sid) if !B::stream_id_unique(sid) => return,
+        Some(sid) => core::slice::from_ref(&caches[cache_index(sid)]),
+        None => &caches[..],
+    };
+    for cache in caches {
+        let mut c = cache.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut i = 0;
+        while i < c.blocks.len() {
+            if only.is_some_and(|sid| c.blocks[i].sid != sid) {
+                i += 1;
+                continue;
+            }
+            let b = c.blocks.remove(i);
+            let (_, unkept) = st.push_open(b.stream, b.ptr, b.size);
+            // Not the stream's last owning handle: the stream's id is unique, so the handle the
+            // queue keeps is of the same stream (or the dropped one is a borrowed stream's, whose
+            // drop destroys nothing).
+            drop(unkept);
+        }
+    }
+}
+
 /// Everything behind the pool's lock.
 pub(crate) struct State<B: DeviceBackend> {
-    bfc: Bfc<DeviceSource<B>, Box<[Chunk]>>,
+    /// The engine (about 8 KiB: boxed, so that building a pool moves a pointer, not the engine).
+    bfc: Box<Bfc<DeviceSource<B>, Box<[Chunk]>>>,
     /// Freed blocks waiting for their stream, one queue per stream with any. Invariants: each block
     /// is in use in `bfc`; a queue is empty only once its blocks were taken or came back: the next
     /// free on its stream fills it again, and a trim, a synchronisation, or a poll while there are
@@ -254,8 +337,13 @@ pub(crate) struct Shared<B: DeviceBackend> {
     // Immutable after construction.
     ordinal: usize,
     limit: usize,
+    /// The engine's configuration (a copy, for the stream caches' fit test).
+    config: Config,
     // Mutable, behind the lock.
     state: Mutex<State<B>>,
+    /// Open blocks of streams with a unique id, each cache behind a lock of its own (see
+    /// [`StreamCache`]).
+    caches: Caches<B::Stream>,
     /// The thread running an `inspect_backend` / `with_backend_mut` closure, which holds the lock
     /// (0: none): a call into the pool from inside the closure (a buffer dropped there, say) would
     /// wait for that lock forever, so it panics instead.
@@ -567,14 +655,7 @@ impl<B: DeviceBackend> State<B> {
                     break 'scan;
                 }
                 scanned += 1;
-                if size < want || ptr % align != 0 {
-                    continue;
-                }
-                let left = size - want;
-                let would_split = left >= GRANULE
-                    && ((config.split_ratio != 0 && size / config.split_ratio >= want)
-                        || left >= config.max_internal_fragmentation);
-                if would_split {
+                if !fits_whole(&config, ptr, size, want, align) {
                     continue;
                 }
                 if best.is_none_or(|(_, _, s)| size < s) {
@@ -696,33 +777,121 @@ impl<B: DeviceBackend> Shared<B> {
         f(st.backend())
     }
 
-    /// Allocates a block of at least `bytes` for use on `stream`: `(address, usable size)`.
+    /// The stream cache of stream id `sid`.
+    fn cache(&self, sid: u64) -> &Mutex<StreamCache<B::Stream>> {
+        &self.caches[cache_index(sid)].0
+    }
+
+    /// A block of stream `sid`'s cache that serves `bytes` at `align` as a whole block would (the
+    /// smallest, the newest among equals), with the handle its free left: `(address, size,
+    /// handle)`. `None` for a stream without a unique id.
+    fn take_cached(
+        &self,
+        sid: u64,
+        bytes: usize,
+        align: usize,
+    ) -> Option<(usize, usize, B::Stream)> {
+        if !B::stream_id_unique(sid) {
+            return None;
+        }
+        let want = bytes.max(1).checked_next_multiple_of(GRANULE)?;
+        let mut c = self
+            .cache(sid)
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let mut best: Option<(usize, usize)> = None;
+        for (i, b) in c.blocks.iter().enumerate().rev() {
+            if b.sid == sid
+                && fits_whole(&self.config, b.ptr, b.size, want, align)
+                && best.is_none_or(|(_, size)| b.size < size)
+            {
+                best = Some((i, b.size));
+                if b.size == want {
+                    break;
+                }
+            }
+        }
+        let (i, _) = best?;
+        let b = c.blocks.remove(i);
+        c.hits += 1;
+        Some((b.ptr, b.size, b.stream))
+    }
+
+    /// Puts a block freed on `stream` with no use on another stream into its stream cache; gives
+    /// the handle back if the stream has no unique id or the cache is full.
+    fn free_cached(
+        &self,
+        ptr: u64,
+        size: usize,
+        stream: B::Stream,
+        uses: &B::Uses,
+    ) -> Result<(), B::Stream> {
+        let sid = B::stream_id(&stream);
+        if !B::stream_id_unique(sid) || !B::uses_none(uses) {
+            return Err(stream);
+        }
+        let mut c = self
+            .cache(sid)
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if c.blocks.len() == STREAM_CACHE_BLOCKS {
+            return Err(stream);
+        }
+        c.blocks.push(Cached {
+            sid,
+            ptr: ptr as usize,
+            size,
+            stream,
+        });
+        Ok(())
+    }
+
+    /// Moves the cached blocks of stream `only` (of every stream: `None`) to their streams' queues
+    /// as open blocks, oldest first, where the pool's calls see them.
+    fn drain_caches(&self, st: &mut State<B>, only: Option<u64>) {
+        drain(&self.caches, st, only);
+    }
+
+    /// Allocates a block of at least `bytes` for use on `stream`: `(address, usable size, the
+    /// handle a cached block's free left, for the buffer)`.
     pub(crate) fn alloc_block(
         &self,
         stream: &B::Stream,
         bytes: usize,
         align: usize,
-    ) -> Result<(u64, usize), PoolError> {
+    ) -> Result<(u64, usize, Option<B::Stream>), PoolError> {
         let sid = B::stream_id(stream);
+        let align = align.max(1);
+        // A block in the stream's cache is the stream's own: a stream with a unique id and a
+        // cached block was checked when that block was allocated.
+        if let Some((p, size, handle)) = self.take_cached(sid, bytes, align) {
+            return Ok((p as u64, size, Some(handle)));
+        }
         let mut st = self.lock();
         st.backend().check_stream(stream)?;
         st.poll_pending();
-        let align = align.max(1);
         if let Some((p, size)) = st.take_pending(sid, bytes, align) {
             st.reuses += 1;
-            return Ok((p as u64, size));
+            return Ok((p as u64, size, None));
         }
         // A miss: this stream's open blocks do not fit, so start their way back to the engine. If
         // the engine has no free chunk for the request either, do the same for other streams'
         // open blocks that could serve it, rather than grow.
+        self.drain_caches(&mut st, Some(sid));
         let mut closed = st.close(sid);
         if st.bfc.largest_free_block() < bytes {
+            self.drain_caches(&mut st, None);
             closed |= st.close_where(|other, size| other != sid && size >= bytes);
         }
         if closed {
             st.poll_pending();
         }
-        let r = match st.allocate(bytes, align) {
+        let r = st.allocate(bytes, align);
+        if matches!(r, Err(AllocError::OutOfMemory(_))) {
+            // (Out of memory is rare: other streams' cached blocks join the wait below.)
+            self.drain_caches(&mut st, None);
+        }
+        let r = match r {
             // (With nothing pending, nothing can come back: the driver was asked already.)
             Err(AllocError::OutOfMemory(_)) if st.pending().0 > 0 => {
                 // Wait for every pending free and try once more: the blocks that came back serve
@@ -739,7 +908,7 @@ impl<B: DeviceBackend> Shared<B> {
         match r {
             Ok((p, size)) => {
                 st.bfc.source_mut().last_refusal = None;
-                Ok((p as u64, size))
+                Ok((p as u64, size, None))
             }
             Err(AllocError::OutOfMemory(report)) => Err(st.oom(self.ordinal, bytes, report)),
             Err(e) => Err(PoolError::InvalidRequest {
@@ -760,6 +929,9 @@ impl<B: DeviceBackend> Shared<B> {
     /// Frees the block at `ptr` (of `size` bytes) used on `stream`, whose handle it takes (the
     /// buffer's). Never fails; errors are deferred.
     pub(crate) fn free_block(&self, ptr: u64, size: usize, stream: B::Stream, uses: &B::Uses) {
+        let Err(stream) = self.free_cached(ptr, size, stream, uses) else {
+            return;
+        };
         let sid = B::stream_id(&stream);
         let mut st = self.lock();
         match st.backend().finish_uses(&stream, uses) {
@@ -801,6 +973,7 @@ impl<B: DeviceBackend> Drop for Shared<B> {
         // No buffer is left (each holds an `Arc` of this), so after the pending frees every chunk is
         // free and every region goes back to the driver.
         let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        drain(&self.caches, st, None);
         st.flush_pending();
         st.bfc.release_free_regions();
     }
@@ -874,12 +1047,24 @@ impl<B: DeviceBackend> DevicePool<B> {
         let table = zeroed_table(options.chunk_capacity).ok_or(PoolError::Config(
             "chunk_capacity: no host memory for the chunk table",
         ))?;
-        let bfc = Bfc::new(config, DeviceSource::new(backend, limit), table)
-            .map_err(PoolError::Config)?;
+        let bfc = Box::new(
+            Bfc::new(config, DeviceSource::new(backend, limit), table)
+                .map_err(PoolError::Config)?,
+        );
+        let caches = (0..STREAM_CACHES)
+            .map(|_| {
+                Padded(Mutex::new(StreamCache {
+                    blocks: Vec::with_capacity(STREAM_CACHE_BLOCKS),
+                    hits: 0,
+                }))
+            })
+            .collect();
         Ok(DevicePool {
             shared: Arc::new(Shared {
                 ordinal,
                 limit,
+                config: *bfc.config(),
+                caches,
                 state: Mutex::new(State {
                     bfc,
                     queues: Vec::new(),
@@ -941,14 +1126,14 @@ impl<B: DeviceBackend> DevicePool<B> {
                     align: core::mem::align_of::<T>(),
                     reason: "len * size_of::<T>() overflows",
                 })?;
-        let (ptr, size) = self
-            .shared
-            .alloc_block(stream, bytes, core::mem::align_of::<T>())?;
+        let (ptr, size, handle) =
+            self.shared
+                .alloc_block(stream, bytes, core::mem::align_of::<T>())?;
         Ok(DeviceBuffer::new(
             ptr,
             len,
             size,
-            stream.clone(),
+            handle.unwrap_or_else(|| stream.clone()),
             self.shared.clone(),
         ))
     }
@@ -959,6 +1144,7 @@ impl<B: DeviceBackend> DevicePool<B> {
     /// `empty_cache`). Returns the bytes given back. [`synchronize`](Self::synchronize) waits.
     pub fn trim(&self) -> usize {
         let mut st = self.shared.lock();
+        self.shared.drain_caches(&mut st, None);
         st.close_all();
         st.poll_pending();
         st.drop_empty_queues();
@@ -976,6 +1162,7 @@ impl<B: DeviceBackend> DevicePool<B> {
     /// Returns the bytes given back to the driver.
     pub fn synchronize(&self) -> usize {
         let mut st = self.shared.lock();
+        self.shared.drain_caches(&mut st, None);
         st.flush_pending();
         let n = st.bfc.release_free_regions();
         st.collect_source_errors();
@@ -988,7 +1175,13 @@ impl<B: DeviceBackend> DevicePool<B> {
         let mut allocator = st.bfc.stats();
         allocator.num_allocs += st.reuses;
         let (device_free, device_total) = st.backend().mem_info().unwrap_or((0, 0));
-        let (pending_blocks, pending_bytes) = st.pending();
+        let (mut pending_blocks, mut pending_bytes) = st.pending();
+        for cache in &self.shared.caches {
+            let c = cache.0.lock().unwrap_or_else(PoisonError::into_inner);
+            allocator.num_allocs += c.hits;
+            pending_blocks += c.blocks.len();
+            pending_bytes += c.blocks.iter().map(|b| b.size).sum::<usize>();
+        }
         DeviceStats {
             ordinal: self.shared.ordinal,
             allocator,

@@ -610,6 +610,18 @@ unsafe impl DeviceBackend for SimBackend {
         stream.0
     }
 
+    /// Streams 0 to 2 of each context stand for CUDA's null, legacy and per-thread handles, which
+    /// are the same in every context (and the per-thread handle, see [`SimStream::per_thread`]):
+    /// the pool serves them on its lock alone. Every other stream takes its per-stream cache.
+    fn stream_id_unique(id: u64) -> bool {
+        let n = id as u32;
+        n > 2 && n != u32::MAX
+    }
+
+    fn uses_none(uses: &SimUses) -> bool {
+        uses.protocol.is_unused()
+    }
+
     fn stream_done(&mut self, stream: &SimStream) -> Result<bool, BackendError> {
         let mut st = self.device.lock();
         if st.fail_stream_query {

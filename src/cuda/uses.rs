@@ -112,6 +112,12 @@ impl<O: UseOps> core::fmt::Debug for Protocol<O> {
 }
 
 impl<O: UseOps> Protocol<O> {
+    /// Whether no use on another stream was ever entered (the buffer has no record): then
+    /// [`finish`](Self::finish) does nothing.
+    pub(crate) fn is_unused(&self) -> bool {
+        self.record.get().is_none()
+    }
+
     /// See [`Record::before_home_use`]; nothing to do before any use on another stream.
     pub(crate) fn before_home_use(&self, ops: &O, home: &O::Stream) -> Result<(), BackendError> {
         match self.record.get() {
