@@ -12,9 +12,10 @@
 //! A second table runs a training-step pattern: each step allocates 64 buffers of mixed sizes
 //! (256 B up to 8 MiB, the same sizes every step) on one stream and then frees them all, so the pool's
 //! batched events, misses and pending-list scans are in the numbers (median ns per alloc+free over
-//! the steps). A third table runs pool hits in 1 to 8 threads at once, each on its own stream,
-//! against cudarc in the same threads (the pool has one mutex per device). Without a driver or a
-//! GPU it prints why and exits 0 (1 with `BFC_REQUIRE_GPU=1`).
+//! the steps). A third table runs pool hits in 1 to 8 threads at once, each on its own stream
+//! (served by the pool's stream caches), against the same threads on the default stream (every
+//! call on the pool's lock) and against cudarc in the same threads. Without a driver or a GPU it
+//! prints why and exits 0 (1 with `BFC_REQUIRE_GPU=1`).
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -201,9 +202,11 @@ fn main() {
     pool.check_err().expect("deferred pool errors");
 }
 
-/// Pool hits (4 KiB) in 1 to 8 threads at once, each on its own stream, against cudarc's
-/// `stream.alloc` + drop in the same threads: the pool's one mutex against the driver's locks.
-/// Prints the wall time per alloc+free per thread (medians of 5 rounds); flat means no contention.
+/// Pool hits (4 KiB) in 1 to 8 threads at once, each on its own stream (each served by its stream
+/// cache), against the same threads all on the context's default stream (whose handle is not
+/// unique, so every call takes the pool's lock) and against cudarc's `stream.alloc` + drop on their
+/// own streams. Prints the wall time per alloc+free per thread (medians of 5 rounds); flat means no
+/// contention.
 fn threads_table(pool: &DevicePool) {
     const PAIRS: usize = 20_000;
     const BYTES: usize = 4096;
@@ -213,18 +216,20 @@ fn threads_table(pool: &DevicePool) {
          wall ns per pair per thread"
     );
     println!(
-        "{:>10} {:>14} {:>16} {:>9}",
-        "threads", "pool", "stream.alloc", "vs cudarc"
+        "{:>10} {:>14} {:>20} {:>16} {:>9}",
+        "threads", "pool", "pool, default stream", "stream.alloc", "vs cudarc"
     );
+    let default_stream = ctx.default_stream();
     for threads in [1, 2, 4, 8] {
-        let streams: Vec<Arc<CudaStream>> = (0..threads)
+        let own: Vec<Arc<CudaStream>> = (0..threads)
             .map(|_| ctx.new_stream().expect("new stream"))
             .collect();
-        // Wall time of `pair` run PAIRS times in every thread at once.
-        let wall = |pair: &(dyn Fn(&Arc<CudaStream>) + Sync)| -> f64 {
+        let shared: Vec<Arc<CudaStream>> = (0..threads).map(|_| default_stream.clone()).collect();
+        // Wall time of `pair` run PAIRS times in every thread at once, thread `i` on `streams[i]`.
+        let wall = |streams: &[Arc<CudaStream>], pair: &(dyn Fn(&Arc<CudaStream>) + Sync)| -> f64 {
             let start = std::sync::Barrier::new(threads + 1);
             let t = std::thread::scope(|scope| {
-                for s in &streams {
+                for s in streams {
                     let (start, ctx) = (&start, &ctx);
                     scope.spawn(move || {
                         ctx.bind_to_thread().expect("bind context");
@@ -240,15 +245,19 @@ fn threads_table(pool: &DevicePool) {
             });
             t.elapsed().as_nanos() as f64 / PAIRS as f64
         };
-        let (mut p, mut c) = (Vec::new(), Vec::new());
+        let (mut p, mut d, mut c) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..5 {
-            p.push(wall(&|s| pool_pair(pool, s, BYTES)));
-            c.push(wall(&|s| cudarc_pair(s, BYTES)));
+            p.push(wall(&own, &|s| pool_pair(pool, s, BYTES)));
+            d.push(wall(&shared, &|s| pool_pair(pool, s, BYTES)));
+            c.push(wall(&own, &|s| cudarc_pair(s, BYTES)));
         }
-        for s in &streams {
+        for s in own.iter().chain([&default_stream]) {
             s.synchronize().expect("synchronize");
         }
-        let (p, c) = (median(&mut p), median(&mut c));
-        println!("{threads:>10} {p:>14.0} {c:>16.0} {:>8.1}x", c / p);
+        let (p, d, c) = (median(&mut p), median(&mut d), median(&mut c));
+        println!(
+            "{threads:>10} {p:>14.0} {d:>20.0} {c:>16.0} {:>8.1}x",
+            c / p
+        );
     }
 }
