@@ -1716,6 +1716,14 @@ unsafe impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
     fn stream_id(s: &Counted) -> u64 {
         SimBackend::stream_id(&s.0)
     }
+    fn stream_id_unique(id: u64) -> bool {
+        // Streams `C` and `D` take stream caches, as on `SimBackend`; the others keep to the
+        // pool's lock, where the tests of queue handles below count them.
+        id == C.0 || id == D.0
+    }
+    fn uses_none(uses: &bfc_alloc::cuda::SimUses) -> bool {
+        SimBackend::uses_none(uses)
+    }
     fn stream_done(&mut self, s: &Counted) -> Result<bool, bfc_alloc::cuda::BackendError> {
         self.0.stream_done(&s.0)
     }
@@ -2657,4 +2665,67 @@ fn out_of_memory_for_alignment_waits_for_cached_blocks() {
         drop((h1, h2, page));
         p.check().unwrap();
     });
+}
+
+/// A stream's cached blocks that another stream's miss moves into its queue count towards
+/// `OPEN_LIMIT` like the frees that go there: a stream that frees many buffers while other streams
+/// miss with no free chunk gets its event at the `OPEN_LIMIT + 1`st open block in its queue, not
+/// never.
+#[test]
+fn blocks_moved_from_a_stream_cache_count_towards_the_open_limit() {
+    on_both_paths(|sa, sb| {
+        let dev = SimDevice::new(GIB);
+        let p = pool(&dev, PoolOptions::with_limit(GIB));
+        let n = 4 * 16;
+        let mut bufs: Vec<_> = (0..n).map(|_| alloc(&p, sa, 4096).unwrap()).collect();
+        dev.enqueue(sa); // a kernel using them: `sa` stays busy
+        let mut big = Vec::new();
+        while !bufs.is_empty() {
+            // 16 frees: as many as a stream cache holds.
+            drop(bufs.split_off(bufs.len() - 16));
+            // `sb` misses and the engine has no free chunk for it (the pool grows): other
+            // streams' open blocks large enough are closed, and the caches emptied into the queues.
+            let want = p.stats().allocator.largest_free_block + MIB;
+            big.push(alloc(&p, sb, want).unwrap());
+        }
+        assert_eq!(p.stats().pending_blocks, n);
+        assert!(
+            dev.recorded(sa) >= 1,
+            "{n} blocks of {sa:?} in its queue, none of them ordered by an event"
+        );
+        drop(big);
+        p.synchronize();
+        p.check().unwrap();
+    });
+}
+
+/// A buffer holds the handle it was allocated with, even when its block comes from the stream's
+/// cache, freed there through another handle of the same stream (a borrowed wrapper of an owned
+/// stream, say): a buffer keeps the stream it was allocated on alive, and a synchronisation of the
+/// pool lets every other handle go (the remedy the docs give before a borrowed stream is
+/// destroyed). With the other handle in the buffer, the stream's owner could go while the buffer
+/// lives, and the free put a destroyed stream's handle, whose id a new stream of any context can
+/// get, in the cache, where a hit skips the stream check.
+#[test]
+fn a_cache_hit_gives_the_buffer_the_handle_it_was_allocated_on() {
+    let dev = SimDevice::new(GIB);
+    let p = counting_pool(&dev, 64 * MIB);
+    let owned = Counted(C, Arc::new(()));
+    let borrowed = Counted(C, Arc::new(())); // another handle of the same stream
+    drop(counted_alloc(&p, &borrowed, MIB)); // into `C`'s cache
+    let buf = counted_alloc(&p, &owned, MIB); // a hit
+    assert_eq!(p.stats().pending_blocks, 0);
+    p.synchronize();
+    assert_eq!(
+        Arc::strong_count(&owned.1) - 1,
+        1,
+        "the buffer holds no handle of the stream it was allocated on"
+    );
+    assert_eq!(
+        Arc::strong_count(&borrowed.1) - 1,
+        0,
+        "the pool or the buffer holds the other handle after a synchronisation"
+    );
+    drop(buf);
+    assert_eq!(Arc::strong_count(&owned.1) - 1, 1, "the cache's");
 }

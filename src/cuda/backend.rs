@@ -108,10 +108,13 @@ pub unsafe trait DeviceBackend: Send + 'static {
 
     /// Whether `id` (from [`stream_id`](Self::stream_id)) names one stream in the whole process:
     /// no other stream, of any context or device, including streams
-    /// [`check_stream`](Self::check_stream) refuses, has this id while that stream lives. The pool
-    /// then serves the stream's own frees and reuses through a per-stream cache with a lock of its
-    /// own, without checking the stream again. The default, `false`, keeps every call on the
-    /// pool's lock.
+    /// [`check_stream`](Self::check_stream) refuses, has this id while a handle of that stream
+    /// lives (a handle that does not keep its stream alive, such as a borrowed one, counts only
+    /// while its stream lives, which its owner must ensure until the pool lets the handle go). The
+    /// pool then serves the stream's own frees and reuses through a per-stream cache with a lock of
+    /// its own, keeping the freeing buffer's handle there, and hands a cached block to a stream
+    /// with its id without checking the stream again. The default, `false`, keeps every call on
+    /// the pool's lock.
     fn stream_id_unique(id: u64) -> bool {
         let _ = id;
         false

@@ -99,7 +99,10 @@ fn bind(ctx: &CudaContext) -> Result<(), BackendError> {
 //   stream handle is unique within its context while the stream lives; the pool keeps an `Arc`
 //   of every stream with pending blocks (a borrowed stream is the caller's to keep alive, as
 //   `wrap_borrowed_stream`'s own contract says). The legacy stream has two ids (null and
-//   `CU_STREAM_LEGACY`), which only keeps blocks from moving between them.
+//   `CU_STREAM_LEGACY`), which only keeps blocks from moving between them. Every handle but the
+//   null, legacy and per-thread ones (`stream_id_unique`) is the address of a live stream's driver
+//   object, so no stream of any context has it while the stream lives; the pool's handle of an
+//   owned stream keeps it alive, and a borrowed one's owner keeps it alive as above.
 // - Stream, event and synchronisation answers are the driver's own; a failed query is an error,
 //   which the pool treats as "not finished".
 // - `finish_uses` and the ordering before `memset_zero` come from the use protocol

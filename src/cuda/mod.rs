@@ -72,8 +72,9 @@
 //! Stream capture (CUDA graphs) is not supported: the pool queries streams and events, allocates
 //! from the driver and records events as it goes, which a capturing stream refuses (and a capture
 //! in the global mode can be invalidated by), and a block freed during a capture would be reused
-//! before the graph replays. Allocate the buffers a graph uses before capturing it, and free them
-//! after its last replay.
+//! before the graph replays. (A hit or a free through a stream cache makes no driver call, so a
+//! capturing stream does not even refuse it.) Allocate the buffers a graph uses before capturing
+//! it, and free them after its last replay.
 //!
 //! Uses on other streams are ordered when they go through cudarc's `DevicePtr::device_ptr` /
 //! `DevicePtrMut::device_ptr_mut` (as `memcpy_*` do): the other stream first waits for the home

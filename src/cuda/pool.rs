@@ -150,7 +150,8 @@ pub fn min_system_memory(available: usize, cc_major: i32) -> usize {
 /// Blocks of one stream that wait in its queue, freed without an event, for that stream to reuse
 /// them; the free of one more closes them all: they go back to the engine if the stream is idle,
 /// otherwise one event is recorded for all of them (see the [module documentation](super)).
-/// Blocks in a stream cache (16 at most per cache) do not count.
+/// Blocks in a stream cache (16 at most per cache) do not count until a drain of the caches moves
+/// them to the queue (which then closes a stream left with more).
 pub const OPEN_LIMIT: usize = 32;
 
 /// How a batch of pending blocks is ordered after the work queued before their frees on their
@@ -283,13 +284,20 @@ fn fits_whole(config: &Config, ptr: usize, size: usize, want: usize, align: usiz
 }
 
 /// Moves the cached blocks of stream `only` (of every stream: `None`) in `caches` to their
-/// streams' queues in `st` as open blocks, oldest first. The caller holds the pool's lock (`st`).
-fn drain<B: DeviceBackend>(caches: &Caches<B::Stream>, st: &mut State<B>, only: Option<u64>) {
+/// streams' queues in `st` as open blocks, oldest first, then closes the streams left with more
+/// than [`OPEN_LIMIT`] open blocks, as a free into the queue would. Returns whether it closed any.
+/// The caller holds the pool's lock (`st`).
+fn drain<B: DeviceBackend>(
+    caches: &Caches<B::Stream>,
+    st: &mut State<B>,
+    only: Option<u64>,
+) -> bool {
     let caches = match only {
-        Some(sid) if !B::stream_id_unique(sid) => return,
+        Some(sid) if !B::stream_id_unique(sid) => return false,
         Some(sid) => core::slice::from_ref(&caches[cache_index(sid)]),
         None => &caches[..],
     };
+    let mut over = false;
     for cache in caches {
         let mut c = cache.0.lock().unwrap_or_else(PoisonError::into_inner);
         let mut i = 0;
@@ -299,13 +307,16 @@ fn drain<B: DeviceBackend>(caches: &Caches<B::Stream>, st: &mut State<B>, only: 
                 continue;
             }
             let b = c.blocks.remove(i);
-            let (_, unkept) = st.push_open(b.stream, b.ptr, b.size);
+            let (open, unkept) = st.push_open(b.stream, b.ptr, b.size);
+            over |= open > OPEN_LIMIT;
             // Not the stream's last owning handle: the stream's id is unique, so the handle the
             // queue keeps is of the same stream (or the dropped one is a borrowed stream's, whose
             // drop destroys nothing).
             drop(unkept);
         }
     }
+    // (After the caches' locks: closing calls the driver.)
+    over && st.close_over_limit()
 }
 
 /// Everything behind the pool's lock.
@@ -528,6 +539,25 @@ impl<B: DeviceBackend> State<B> {
         let mut closed = false;
         for sid in sids {
             closed |= self.close(sid);
+        }
+        closed
+    }
+
+    /// Closes the open and unordered blocks of every stream with more than [`OPEN_LIMIT`] of them
+    /// (a drain of the stream caches may leave some so); returns whether it closed any.
+    fn close_over_limit(&mut self) -> bool {
+        let mut closed = false;
+        let mut qi = 0;
+        while qi < self.queues.len() {
+            let sid = self.queue_ids[qi];
+            if self.queues[qi].open() > OPEN_LIMIT {
+                closed |= self.close(sid);
+                if self.queue_ids.get(qi) != Some(&sid) {
+                    // Its stream was idle: the queue went, and the last one took its place.
+                    continue;
+                }
+            }
+            qi += 1;
         }
         closed
     }
@@ -783,8 +813,9 @@ impl<B: DeviceBackend> Shared<B> {
     }
 
     /// A block of stream `sid`'s cache that serves `bytes` at `align` as a whole block would (the
-    /// smallest, the newest among equals), with the handle its free left: `(address, size,
-    /// handle)`. `None` for a stream without a unique id.
+    /// smallest, the newest among equals), with the handle its free left, for the caller to drop
+    /// without the cache's lock: `(address, size, handle)`. `None` for a stream without a unique
+    /// id.
     fn take_cached(
         &self,
         sid: u64,
@@ -847,40 +878,47 @@ impl<B: DeviceBackend> Shared<B> {
     }
 
     /// Moves the cached blocks of stream `only` (of every stream: `None`) to their streams' queues
-    /// as open blocks, oldest first, where the pool's calls see them.
-    fn drain_caches(&self, st: &mut State<B>, only: Option<u64>) {
-        drain(&self.caches, st, only);
+    /// as open blocks, oldest first, where the pool's calls see them (see [`drain`]). Returns
+    /// whether a stream was closed for having more than [`OPEN_LIMIT`] open blocks.
+    fn drain_caches(&self, st: &mut State<B>, only: Option<u64>) -> bool {
+        drain(&self.caches, st, only)
     }
 
-    /// Allocates a block of at least `bytes` for use on `stream`: `(address, usable size, the
-    /// handle a cached block's free left, for the buffer)`.
+    /// Allocates a block of at least `bytes` for use on `stream`: `(address, usable size)`.
     pub(crate) fn alloc_block(
         &self,
         stream: &B::Stream,
         bytes: usize,
         align: usize,
-    ) -> Result<(u64, usize, Option<B::Stream>), PoolError> {
+    ) -> Result<(u64, usize), PoolError> {
         let sid = B::stream_id(stream);
         let align = align.max(1);
         // A block in the stream's cache is the stream's own: a stream with a unique id and a
         // cached block was checked when that block was allocated.
         if let Some((p, size, handle)) = self.take_cached(sid, bytes, align) {
-            return Ok((p as u64, size, Some(handle)));
+            // The buffer takes the caller's handle, not the one the free left, which may be
+            // another handle of the same stream (a borrowed wrapper of an owned stream, say): a
+            // buffer keeps the handle it was allocated on, and nothing the pool holds outlives a
+            // synchronisation. Dropped without any lock: the caller's handle names the same
+            // stream, so this is its last owning handle only if the caller's is a borrowed one
+            // whose owner is gone, which the borrowed stream's contract rules out.
+            drop(handle);
+            return Ok((p as u64, size));
         }
         let mut st = self.lock();
         st.backend().check_stream(stream)?;
         st.poll_pending();
         if let Some((p, size)) = st.take_pending(sid, bytes, align) {
             st.reuses += 1;
-            return Ok((p as u64, size, None));
+            return Ok((p as u64, size));
         }
         // A miss: this stream's open blocks do not fit, so start their way back to the engine. If
         // the engine has no free chunk for the request either, do the same for other streams'
         // open blocks that could serve it, rather than grow.
-        self.drain_caches(&mut st, Some(sid));
-        let mut closed = st.close(sid);
+        let mut closed = self.drain_caches(&mut st, Some(sid));
+        closed |= st.close(sid);
         if st.bfc.largest_free_block() < bytes {
-            self.drain_caches(&mut st, None);
+            closed |= self.drain_caches(&mut st, None);
             closed |= st.close_where(|other, size| other != sid && size >= bytes);
         }
         if closed {
@@ -908,7 +946,7 @@ impl<B: DeviceBackend> Shared<B> {
         match r {
             Ok((p, size)) => {
                 st.bfc.source_mut().last_refusal = None;
-                Ok((p as u64, size, None))
+                Ok((p as u64, size))
             }
             Err(AllocError::OutOfMemory(report)) => Err(st.oom(self.ordinal, bytes, report)),
             Err(e) => Err(PoolError::InvalidRequest {
@@ -1126,14 +1164,14 @@ impl<B: DeviceBackend> DevicePool<B> {
                     align: core::mem::align_of::<T>(),
                     reason: "len * size_of::<T>() overflows",
                 })?;
-        let (ptr, size, handle) =
-            self.shared
-                .alloc_block(stream, bytes, core::mem::align_of::<T>())?;
+        let (ptr, size) = self
+            .shared
+            .alloc_block(stream, bytes, core::mem::align_of::<T>())?;
         Ok(DeviceBuffer::new(
             ptr,
             len,
             size,
-            handle.unwrap_or_else(|| stream.clone()),
+            stream.clone(),
             self.shared.clone(),
         ))
     }
@@ -1215,8 +1253,9 @@ impl<B: DeviceBackend> DevicePool<B> {
     ///
     /// # Panics
     ///
-    /// If `f` calls into this pool in a way that takes its lock (most methods, and the drop of one
-    /// of its buffers): that would wait for the lock `f` runs under.
+    /// If `f` calls into this pool in a way that takes its lock (most methods; an allocation or a
+    /// drop of one of its buffers unless a stream cache serves it): that would wait for the lock
+    /// `f` runs under.
     pub fn inspect_backend<R>(&self, f: impl FnOnce(&B) -> R) -> R {
         self.shared.with_backend(|b| f(b))
     }

@@ -419,7 +419,10 @@ impl SimDevice {
         self.lock().fail_stream_query = fail;
     }
 
-    /// Makes ordering a freed buffer's uses on other streams fail (`cuStreamWaitEvent`).
+    /// Makes ordering a freed buffer's uses on other streams fail (`cuStreamWaitEvent`), also for a
+    /// buffer with no such use, on streams 0 to 2. (On other streams the pool does not call
+    /// `finish_uses` for a buffer with no use on another stream: see
+    /// [`DeviceBackend::uses_none`].)
     pub fn set_fail_finish_uses(&self, fail: bool) {
         self.lock().fail_finish_uses = fail;
     }
