@@ -198,8 +198,8 @@ fn main() {
     }
 }
 
-/// Streams that take the pool's lock for every call (ids 1 and 2 stand for CUDA's default-stream
-/// handles, which the pool cannot tell apart across contexts).
+/// Streams that take the pool's lock for every call (the simulator gives streams 0 to 2 no stream
+/// cache, so that both paths can be measured).
 const LOCKED: [SimStream; 2] = [SimStream(1), SimStream(2)];
 /// Streams with stream caches of their own.
 const CACHED: [SimStream; 2] = [SimStream(3), SimStream(4)];

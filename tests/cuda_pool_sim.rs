@@ -31,12 +31,12 @@ const A: SimStream = SimStream(1);
 const B: SimStream = SimStream(2);
 const C: SimStream = SimStream(3);
 
-/// A stream with a cache of its own (see `SimBackend::stream_id_unique`), like `C`.
+/// A stream with a cache of its own (see `SimBackend::same_stream`), like `C`.
 const D: SimStream = SimStream(4);
 
-/// Runs `body` with two streams that take the pool's lock for every call (`A` and `B`: ids 1 and
-/// 2 stand for CUDA's default-stream handles), and again with two that have stream caches of
-/// their own (`C` and `D`): the stream model is the same on both paths.
+/// Runs `body` with two streams that take the pool's lock for every call (`A` and `B`: the
+/// simulator gives streams 0 to 2 no stream cache), and again with two that have stream caches
+/// of their own (`C` and `D`): the stream model is the same on both paths.
 fn on_both_paths(body: impl Fn(SimStream, SimStream)) {
     for (sa, sb) in [(A, B), (C, D)] {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(sa, sb)));
@@ -1714,12 +1714,15 @@ unsafe impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
         self.0.check_stream(&s.0)
     }
     fn stream_id(s: &Counted) -> u64 {
-        SimBackend::stream_id(&s.0)
+        // The stream's number alone: as CUDA's null and legacy handles are, the same in every
+        // context (`check_stream` tells the contexts apart).
+        SimBackend::stream_id(&s.0) as u32 as u64
     }
-    fn stream_id_unique(id: u64) -> bool {
-        // Streams `C` and `D` take stream caches, as on `SimBackend`; the others keep to the
-        // pool's lock, where the tests of queue handles below count them.
-        id == C.0 || id == D.0
+    fn same_stream(a: &Counted, b: &Counted) -> bool {
+        // Streams 3 and 4 of any context (`C` and `D` in the pool's) take stream caches, as on
+        // `SimBackend`; the others keep to the pool's lock, where the tests of queue handles
+        // below count them.
+        a.0 == b.0 && matches!(a.0 .0 as u32, 3 | 4)
     }
     fn uses_none(uses: &bfc_alloc::cuda::SimUses) -> bool {
         SimBackend::uses_none(uses)
@@ -2561,7 +2564,7 @@ fn a_refused_pointer_map_is_reported_as_a_host_allocation_failure() {
     drop(alloc(&p, A, MIB).unwrap());
 }
 
-// ---- Stream caches: streams with a unique id free into and reuse from a cache of their own ----
+// ---- Stream caches: streams free into and reuse from a cache of their own ----
 
 /// Streams whose ids share a stream cache (200 streams, 64 caches) each get back their own block:
 /// another stream's may still be in use by that stream's work.
@@ -2728,4 +2731,24 @@ fn a_cache_hit_gives_the_buffer_the_handle_it_was_allocated_on() {
     );
     drop(buf);
     assert_eq!(Arc::strong_count(&owned.1) - 1, 1, "the cache's");
+}
+
+/// A cached block goes only to its own stream, not to another stream with the same id: here
+/// stream 3 of another context, whose id is the same as `C`'s on the counting back end (as CUDA's
+/// null stream has one handle in every context), and which the pool refuses as a home stream.
+#[test]
+fn a_cached_block_does_not_go_to_another_contexts_stream_with_its_id() {
+    let dev = SimDevice::new(GIB);
+    let p = counting_pool(&dev, 64 * MIB);
+    let ours = Counted(C, Arc::new(()));
+    let theirs = Counted(SimStream::in_context(1, 3), Arc::new(()));
+    drop(counted_alloc(&p, &ours, MIB)); // into `C`'s cache
+    assert_eq!(p.stats().pending_blocks, 1);
+    // SAFETY: simulated memory is never read.
+    let err = unsafe { p.alloc::<u8>(&theirs, MIB) }.unwrap_err();
+    assert!(err.to_string().contains("another context"), "{err}");
+    assert_eq!(p.stats().pending_blocks, 1, "the cached block stays");
+    let again = counted_alloc(&p, &ours, MIB);
+    assert_eq!(p.stats().pending_blocks, 0, "its own stream takes it");
+    drop(again);
 }

@@ -57,10 +57,10 @@ impl std::error::Error for BackendError {}
 ///   in order, and [`stream_id`](Self::stream_id) gives two accepted streams the same id only if
 ///   they are the same stream (a clone names the same stream): a block freed on a stream is handed
 ///   to that stream's next allocation without any wait;
-/// - [`stream_id_unique`](Self::stream_id_unique) says `true` only of an id no other stream can
-///   have while its stream lives, and [`uses_none`](Self::uses_none) only when
-///   [`finish_uses`](Self::finish_uses) would have nothing to order: the pool then skips both
-///   calls;
+/// - [`same_stream`](Self::same_stream) says `true` only of two handles of one stream that
+///   [`check_stream`](Self::check_stream) accepts if it accepts either, and
+///   [`uses_none`](Self::uses_none) only when [`finish_uses`](Self::finish_uses) would have
+///   nothing to order: the pool then skips `check_stream` and `finish_uses`;
 /// - [`record_event`](Self::record_event) marks everything queued on its stream so far;
 ///   [`stream_done`](Self::stream_done), [`event_done`](Self::event_done),
 ///   [`event_sync`](Self::event_sync), [`synchronize`](Self::synchronize) and
@@ -106,17 +106,15 @@ pub unsafe trait DeviceBackend: Send + 'static {
     /// A value identifying `stream`: equal for handles of the same stream, distinct otherwise.
     fn stream_id(stream: &Self::Stream) -> u64;
 
-    /// Whether `id` (from [`stream_id`](Self::stream_id)) names one stream in the whole process:
-    /// no other stream, of any context or device, including streams
-    /// [`check_stream`](Self::check_stream) refuses, has this id while a handle of that stream
-    /// lives (a handle that does not keep its stream alive, such as a borrowed one, counts only
-    /// while its stream lives, which its owner must ensure until the pool lets the handle go). The
-    /// pool then serves the stream's own frees and reuses through a per-stream cache with a lock of
-    /// its own, keeping the freeing buffer's handle there, and hands a cached block to a stream
-    /// with its id without checking the stream again. The default, `false`, keeps every call on
-    /// the pool's lock.
-    fn stream_id_unique(id: u64) -> bool {
-        let _ = id;
+    /// Whether `a` and `b` are handles of the same stream, one that
+    /// [`check_stream`](Self::check_stream) accepts if it accepts either (so `false` for a handle
+    /// that names a different stream on each thread). The pool keeps a stream's freed blocks in a
+    /// stream cache with a lock of its own only if `same_stream(s, s)`, and hands a cached block
+    /// to an allocation on stream `t` only if `same_stream(cached, t)` for the handle its free left
+    /// (which keeps the stream alive, or whose owner must: a borrowed one), without calling
+    /// `check_stream`. The default, `false`, keeps every call on the pool's lock.
+    fn same_stream(a: &Self::Stream, b: &Self::Stream) -> bool {
+        let _ = (a, b);
         false
     }
 

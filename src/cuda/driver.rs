@@ -99,10 +99,10 @@ fn bind(ctx: &CudaContext) -> Result<(), BackendError> {
 //   stream handle is unique within its context while the stream lives; the pool keeps an `Arc`
 //   of every stream with pending blocks (a borrowed stream is the caller's to keep alive, as
 //   `wrap_borrowed_stream`'s own contract says). The legacy stream has two ids (null and
-//   `CU_STREAM_LEGACY`), which only keeps blocks from moving between them. Every handle but the
-//   null, legacy and per-thread ones (`stream_id_unique`) is the address of a live stream's driver
-//   object, so no stream of any context has it while the stream lives; the pool's handle of an
-//   owned stream keeps it alive, and a borrowed one's owner keeps it alive as above.
+//   `CU_STREAM_LEGACY`), which only keeps blocks from moving between them. `same_stream`
+//   compares the handle and the context (the null and legacy handles are the same in every
+//   context), and refuses the per-thread handle; within a context a handle names one live stream,
+//   which the pool's handle of an owned stream keeps alive, and a borrowed one's owner as above.
 // - Stream, event and synchronisation answers are the driver's own; a failed query is an error,
 //   which the pool treats as "not finished".
 // - `finish_uses` and the ordering before `memset_zero` come from the use protocol
@@ -184,10 +184,12 @@ unsafe impl DeviceBackend for CudaBackend {
         stream.cu_stream() as usize as u64
     }
 
-    fn stream_id_unique(id: u64) -> bool {
-        // The null (0), legacy (1) and per-thread (2) handles are the same in every context; any
-        // other handle is the address of a live stream's driver object.
-        id > PER_THREAD_STREAM as u64
+    fn same_stream(a: &Arc<CudaStream>, b: &Arc<CudaStream>) -> bool {
+        // The null and legacy handles are the same in every context: compare the contexts too.
+        // The per-thread handle names each thread's own stream.
+        a.cu_stream() == b.cu_stream()
+            && a.cu_stream() as usize != PER_THREAD_STREAM
+            && **a.context() == **b.context()
     }
 
     fn uses_none(uses: &CudaUses) -> bool {

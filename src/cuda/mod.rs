@@ -26,15 +26,15 @@
 //! 2. An allocation on the same stream A may take a fitting pending block of A immediately: its work
 //!    is queued before anything the new owner queues on A, so stream order protects it.
 //!
-//!    *Stream caches.* For a stream whose handle names it alone in the process (every stream but
-//!    the null, legacy and per-thread default streams, whose handles are the same in every
-//!    context), 1 and 2 first go through a stream cache: 64 per pool, picked by the stream's
-//!    handle, each with a lock of its own and room for 16 open blocks. A free of a buffer never
-//!    used on another stream puts its block there, and an allocation on the stream takes a
-//!    fitting one of its own blocks from there, without the pool's lock, so threads allocating
-//!    on their own streams do not wait for each other. What does not fit in the cache, and every
-//!    free of a buffer used on another stream, takes the pool's lock as before. Everything below
-//!    that closes or counts a stream's open blocks includes its cached ones.
+//!    *Stream caches.* 1 and 2 first go through a stream cache: 64 per pool, picked by the
+//!    stream's handle, each with a lock of its own and room for 16 open blocks. A free of a buffer
+//!    never used on another stream puts its block there, and an allocation on the stream takes a
+//!    fitting one of its own blocks from there (a block freed through a handle of the same stream
+//!    and context: the null and legacy handles are the same in every context), without the
+//!    pool's lock, so threads allocating on their own streams do not wait for each other. What
+//!    does not fit in the cache, and every free of a buffer used on another stream, takes the
+//!    pool's lock as before. Everything below that closes or counts a stream's open blocks
+//!    includes its cached ones.
 //! 3. A's open blocks (and those whose event could not be recorded) are *closed* together: if A is
 //!    idle (all its queued work has finished), every pending block of A goes straight back to the
 //!    engine; otherwise one event is recorded on A for all of them. This

@@ -40,8 +40,8 @@ const SPARES: usize = 16;
 /// at once do not drop and re-create each other's queues.
 const KEPT_QUEUES: usize = 16;
 
-/// Stream caches of a pool (a power of two): a stream whose id is unique in the process (see
-/// [`DeviceBackend::stream_id_unique`]) frees into and reuses from the cache its id hashes to, under
+/// Stream caches of a pool (a power of two): a stream the back end can compare (see
+/// [`DeviceBackend::same_stream`]) frees into and reuses from the cache its id hashes to, under
 /// that cache's lock instead of the pool's. Fewer under loom, to keep its models small.
 const STREAM_CACHES: usize = if cfg!(loom) { 2 } else { 64 };
 
@@ -293,7 +293,6 @@ fn drain<B: DeviceBackend>(
     only: Option<u64>,
 ) -> bool {
     let caches = match only {
-        Some(sid) if !B::stream_id_unique(sid) => return false,
         Some(sid) => core::slice::from_ref(&caches[cache_index(sid)]),
         None => &caches[..],
     };
@@ -309,9 +308,10 @@ fn drain<B: DeviceBackend>(
             let b = c.blocks.remove(i);
             let (open, unkept) = st.push_open(b.stream, b.ptr, b.size);
             over |= open > OPEN_LIMIT;
-            // Not the stream's last owning handle: the stream's id is unique, so the handle the
-            // queue keeps is of the same stream (or the dropped one is a borrowed stream's, whose
-            // drop destroys nothing).
+            // Not the stream's last owning handle: the cached block's stream was accepted, and
+            // accepted streams with one id are one stream, so the handle the queue keeps is of
+            // the same stream (or the dropped one is a borrowed stream's, whose drop destroys
+            // nothing).
             drop(unkept);
         }
     }
@@ -352,7 +352,7 @@ pub(crate) struct Shared<B: DeviceBackend> {
     config: Config,
     // Mutable, behind the lock.
     state: Mutex<State<B>>,
-    /// Open blocks of streams with a unique id, each cache behind a lock of its own (see
+    /// Open blocks of streams the back end can compare, each cache behind a lock of its own (see
     /// [`StreamCache`]).
     caches: Caches<B::Stream>,
     /// The thread running an `inspect_backend` / `with_backend_mut` closure, which holds the lock
@@ -814,15 +814,16 @@ impl<B: DeviceBackend> Shared<B> {
 
     /// A block of stream `sid`'s cache that serves `bytes` at `align` as a whole block would (the
     /// smallest, the newest among equals), with the handle its free left, for the caller to drop
-    /// without the cache's lock: `(address, size, handle)`. `None` for a stream without a unique
-    /// id.
+    /// without the cache's lock: `(address, size, handle)`. `None` for a stream the back end cannot
+    /// compare.
     fn take_cached(
         &self,
+        stream: &B::Stream,
         sid: u64,
         bytes: usize,
         align: usize,
     ) -> Option<(usize, usize, B::Stream)> {
-        if !B::stream_id_unique(sid) {
+        if !B::same_stream(stream, stream) {
             return None;
         }
         let want = bytes.max(1).checked_next_multiple_of(GRANULE)?;
@@ -833,6 +834,7 @@ impl<B: DeviceBackend> Shared<B> {
         let mut best: Option<(usize, usize)> = None;
         for (i, b) in c.blocks.iter().enumerate().rev() {
             if b.sid == sid
+                && B::same_stream(&b.stream, stream)
                 && fits_whole(&self.config, b.ptr, b.size, want, align)
                 && best.is_none_or(|(_, size)| b.size < size)
             {
@@ -849,7 +851,7 @@ impl<B: DeviceBackend> Shared<B> {
     }
 
     /// Puts a block freed on `stream` with no use on another stream into its stream cache; gives
-    /// the handle back if the stream has no unique id or the cache is full.
+    /// the handle back if the back end cannot compare the stream or the cache is full.
     fn free_cached(
         &self,
         ptr: u64,
@@ -858,7 +860,7 @@ impl<B: DeviceBackend> Shared<B> {
         uses: &B::Uses,
     ) -> Result<(), B::Stream> {
         let sid = B::stream_id(&stream);
-        if !B::stream_id_unique(sid) || !B::uses_none(uses) {
+        if !B::same_stream(&stream, &stream) || !B::uses_none(uses) {
             return Err(stream);
         }
         let mut c = self
@@ -893,9 +895,9 @@ impl<B: DeviceBackend> Shared<B> {
     ) -> Result<(u64, usize), PoolError> {
         let sid = B::stream_id(stream);
         let align = align.max(1);
-        // A block in the stream's cache is the stream's own: a stream with a unique id and a
-        // cached block was checked when that block was allocated.
-        if let Some((p, size, handle)) = self.take_cached(sid, bytes, align) {
+        // A cached block freed on the same stream (`same_stream`) was allocated on it, so the
+        // stream passed `check_stream` then.
+        if let Some((p, size, handle)) = self.take_cached(stream, sid, bytes, align) {
             // The buffer takes the caller's handle, not the one the free left, which may be
             // another handle of the same stream (a borrowed wrapper of an owned stream, say): a
             // buffer keeps the handle it was allocated on, and nothing the pool holds outlives a

@@ -420,8 +420,8 @@ impl SimDevice {
     }
 
     /// Makes ordering a freed buffer's uses on other streams fail (`cuStreamWaitEvent`), also for a
-    /// buffer with no such use, on streams 0 to 2. (On other streams the pool does not call
-    /// `finish_uses` for a buffer with no use on another stream: see
+    /// buffer with no such use, on streams 0 to 2. (On other streams, which take stream caches,
+    /// the pool does not call `finish_uses` for a buffer with no use on another stream: see
     /// [`DeviceBackend::uses_none`].)
     pub fn set_fail_finish_uses(&self, fail: bool) {
         self.lock().fail_finish_uses = fail;
@@ -613,12 +613,12 @@ unsafe impl DeviceBackend for SimBackend {
         stream.0
     }
 
-    /// Streams 0 to 2 of each context stand for CUDA's null, legacy and per-thread handles, which
-    /// are the same in every context (and the per-thread handle, see [`SimStream::per_thread`]):
-    /// the pool serves them on its lock alone. Every other stream takes its per-stream cache.
-    fn stream_id_unique(id: u64) -> bool {
-        let n = id as u32;
-        n > 2 && n != u32::MAX
+    /// Equal streams, except the per-thread handle ([`SimStream::per_thread`]) and streams 0 to 2
+    /// of each context, which the simulator keeps on the pool's lock alone (so that tests run
+    /// both paths). Every other stream takes a stream cache.
+    fn same_stream(a: &SimStream, b: &SimStream) -> bool {
+        let n = a.0 as u32;
+        a == b && n > 2 && n != u32::MAX
     }
 
     fn uses_none(uses: &SimUses) -> bool {
