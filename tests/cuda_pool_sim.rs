@@ -2752,3 +2752,495 @@ fn a_cached_block_does_not_go_to_another_contexts_stream_with_its_id() {
     assert_eq!(p.stats().pending_blocks, 0, "its own stream takes it");
     drop(again);
 }
+
+// ---- Randomized and multi-threaded tests over many streams sharing the stream caches ----
+
+/// The stream cache a stream id hashes to: a copy of `cache_index` in src/cuda/pool.rs (64
+/// caches), used to pick streams that share caches. If the two drift apart, the tests below still
+/// pass but check less (their streams no longer share caches).
+fn cache_of(sid: u64) -> usize {
+    (sid.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize & 63
+}
+
+/// A live buffer of the random tests: bytes, or 4 KiB pages (aligned above the driver's 512).
+enum AnyBuf {
+    Bytes(DeviceBuffer<u8, SimBackend>),
+    Pages(DeviceBuffer<Page, SimBackend>),
+}
+
+impl AnyBuf {
+    /// `[lo, hi)`: the whole block.
+    fn range(&self) -> (u64, u64) {
+        let (lo, size) = match self {
+            AnyBuf::Bytes(b) => (b.device_address(), b.block_size()),
+            AnyBuf::Pages(b) => (b.device_address(), b.block_size()),
+        };
+        (lo, lo + size as u64)
+    }
+
+    fn home(&self) -> SimStream {
+        match self {
+            AnyBuf::Bytes(b) => *b.home_stream(),
+            AnyBuf::Pages(b) => *b.home_stream(),
+        }
+    }
+
+    fn simulate_use(&self, s: SimStream) -> u64 {
+        match self {
+            AnyBuf::Bytes(b) => b.simulate_use(s),
+            AnyBuf::Pages(b) => b.simulate_use(s),
+        }
+    }
+}
+
+/// A freed block: its range, home stream, the work items that may use it (on its home stream and
+/// on others), and whether an allocation has overlapped it since.
+struct Freed {
+    lo: u64,
+    hi: u64,
+    works: Vec<(SimStream, u64)>,
+    reused: bool,
+}
+
+/// Forty streams, most of them with stream caches that several share (38 streams, 64 caches), a
+/// small limit, and random allocations (some 4 KiB-aligned), frees (some after uses on other
+/// streams), partial completions, trims and synchronisations. On every allocation, every other
+/// stream's work on the block is completed or ordered before the new owner's; live buffers never
+/// overlap; the statistics agree with a model (allocations counted, pending blocks between the
+/// freed blocks not reused whose work is unfinished and all the freed blocks not reused, bytes in
+/// use = live + pending); out of memory leaves nothing pending; after a trim only busy streams'
+/// blocks are pending; a stream's blocks freed since its last event (or since it was idle) never
+/// exceed `OPEN_LIMIT` plus what its stream cache can hold.
+#[test]
+fn random_ops_over_many_streams_sharing_caches() {
+    let dev = SimDevice::new(GIB);
+    let limit = if cfg!(miri) { 8 * MIB } else { 32 * MIB };
+    let p = pool(&dev, PoolOptions::with_limit(limit));
+    // Consecutive ids spread over the caches (Fibonacci hashing): take the first 38 ids from 3
+    // on that hash to 8 of them, about 5 streams per cache.
+    let cached = (3u64..).filter(|&id| cache_of(id) < 8).take(38);
+    let streams: Vec<SimStream> = [1, 2].into_iter().chain(cached).map(SimStream).collect();
+    let mut live: Vec<AnyBuf> = Vec::new();
+    let mut freed: Vec<Freed> = Vec::new();
+    // Per stream: blocks freed since its last event or since it was last seen idle, not reused.
+    let mut open: Vec<Vec<(u64, u64)>> = vec![Vec::new(); streams.len()];
+    let mut last_recorded: Vec<u64> = vec![0; streams.len()];
+    // Frees `b` after a kernel on its home stream (and, first, a use on stream `other`).
+    let free = |b: AnyBuf,
+                other: Option<SimStream>,
+                freed: &mut Vec<Freed>,
+                open: &mut [Vec<(u64, u64)>]| {
+        let home = b.home();
+        let mut works = Vec::new();
+        if let Some(other) = other {
+            works.push((other, b.simulate_use(other)));
+        }
+        works.push((home, dev.enqueue(home)));
+        let (lo, hi) = b.range();
+        drop(b);
+        freed.push(Freed {
+            lo,
+            hi,
+            works,
+            reused: false,
+        });
+        open[streams.iter().position(|&x| x == home).unwrap()].push((lo, hi));
+    };
+    let mut num_allocs = 0u64;
+    let (mut ooms, mut cross, mut same, mut hits_over_limit) = (0, 0, 0, 0);
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let ops = if cfg!(miri) { 1_000 } else { 12_000 };
+    for op in 0..ops {
+        let r = next();
+        let si = (r >> 8) as usize % streams.len();
+        let s = streams[si];
+        match r % 20 {
+            0..=8 => {
+                let pages = (r >> 14) % 8 == 0;
+                let size = if (r >> 18) % 64 == 0 {
+                    0
+                } else {
+                    let size = 256usize << ((r >> 20) % 13);
+                    size + (r >> 32) as usize % size
+                };
+                let got = if pages {
+                    // SAFETY: simulated memory is never read.
+                    unsafe { p.alloc::<Page>(&s, size.div_ceil(4096)) }.map(AnyBuf::Pages)
+                } else {
+                    alloc(&p, s, size).map(AnyBuf::Bytes)
+                };
+                match got {
+                    Ok(b) => {
+                        num_allocs += 1;
+                        let (lo, hi) = b.range();
+                        let next_item = (s, dev.queued(s) + 1);
+                        for f in freed.iter_mut().filter(|f| f.lo < hi && lo < f.hi) {
+                            f.reused = true;
+                            for &(fs, item) in &f.works {
+                                if fs == s {
+                                    same += 1;
+                                } else {
+                                    cross += 1;
+                                    assert!(
+                                        dev.completed(fs) >= item
+                                            || dev.ordered_before((fs, item), next_item),
+                                        "op {op}: {s:?} got [{lo:#x},{hi:#x}) while item {item} \
+                                         of {fs:?} on [{:#x},{:#x}) may still run",
+                                        f.lo,
+                                        f.hi
+                                    );
+                                }
+                            }
+                        }
+                        for l in &live {
+                            let (llo, lhi) = l.range();
+                            assert!(hi <= llo || lhi <= lo, "op {op}: overlapping live buffers");
+                        }
+                        for o in &mut open {
+                            o.retain(|&(flo, fhi)| hi <= flo || fhi <= lo);
+                        }
+                        live.push(b);
+                    }
+                    Err(PoolError::OutOfMemory(_)) => {
+                        ooms += 1;
+                        // Out of memory only after waiting for every pending free.
+                        let st = p.stats();
+                        assert_eq!((st.pending_blocks, st.pending_bytes), (0, 0), "op {op}");
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            9..=14 if !live.is_empty() => {
+                let b = live.swap_remove((r >> 24) as usize % live.len());
+                let other =
+                    ((r >> 40) % 10 == 0).then(|| streams[(r >> 44) as usize % streams.len()]);
+                free(b, other, &mut freed, &mut open);
+            }
+            15..=16 => {
+                let (done, queued) = (dev.completed(s), dev.queued(s));
+                dev.complete_to(s, done + (r >> 40) % (queued - done + 1));
+            }
+            17 => {
+                // Only busy streams' blocks stay pending after a trim.
+                p.trim();
+                let busy: Vec<&Freed> = freed
+                    .iter()
+                    .filter(|f| !f.reused)
+                    .filter(|f| {
+                        let home = f.works.last().unwrap().0;
+                        dev.completed(home) < dev.queued(home)
+                    })
+                    .collect();
+                let st = p.stats();
+                assert!(
+                    st.pending_blocks <= busy.len(),
+                    "op {op}: {} pending after a trim, {} blocks of busy streams",
+                    st.pending_blocks,
+                    busy.len()
+                );
+            }
+            18 if (r >> 30) % 4 == 0 => {
+                p.synchronize();
+                let st = p.stats();
+                assert_eq!((st.pending_blocks, st.pending_bytes), (0, 0), "op {op}");
+            }
+            19 => {
+                // A burst: a stream frees many small buffers at once (past its cache and
+                // `OPEN_LIMIT`), while its work runs.
+                let k = 16 + (r >> 24) as usize % 64;
+                let mut burst = Vec::new();
+                for _ in 0..k {
+                    match alloc(&p, s, 256 + (r >> 32) as usize % 4096) {
+                        Ok(b) => {
+                            num_allocs += 1;
+                            let (lo, hi) = (
+                                b.device_address(),
+                                b.device_address() + b.block_size() as u64,
+                            );
+                            for f in freed.iter_mut().filter(|f| f.lo < hi && lo < f.hi) {
+                                f.reused = true;
+                                for &(fs, item) in &f.works {
+                                    assert!(
+                                        fs == s
+                                            || dev.completed(fs) >= item
+                                            || dev
+                                                .ordered_before((fs, item), (s, dev.queued(s) + 1)),
+                                        "op {op}: {s:?} got a block of {fs:?} still in use"
+                                    );
+                                }
+                            }
+                            for o in &mut open {
+                                o.retain(|&(flo, fhi)| hi <= flo || fhi <= lo);
+                            }
+                            burst.push(AnyBuf::Bytes(b));
+                        }
+                        Err(PoolError::OutOfMemory(_)) => ooms += 1,
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                // Sixteen frees at a time (what a stream cache holds), each group followed, now
+                // and then, by another stream's miss with no free chunk, which drains the caches.
+                while !burst.is_empty() {
+                    for b in burst.split_off(burst.len().saturating_sub(16)) {
+                        free(b, None, &mut freed, &mut open);
+                    }
+                    if (r >> 50) % 2 == 0 {
+                        let other = streams[(si + 1) % streams.len()];
+                        let want = p.stats().allocator.largest_free_block + 4096;
+                        match alloc(&p, other, want) {
+                            Ok(b) => {
+                                num_allocs += 1;
+                                let (lo, hi) = (
+                                    b.device_address(),
+                                    b.device_address() + b.block_size() as u64,
+                                );
+                                for f in freed.iter_mut().filter(|f| f.lo < hi && lo < f.hi) {
+                                    f.reused = true;
+                                    for &(fs, item) in &f.works {
+                                        assert!(
+                                            fs == other
+                                                || dev.completed(fs) >= item
+                                                || dev.ordered_before(
+                                                    (fs, item),
+                                                    (other, dev.queued(other) + 1)
+                                                ),
+                                            "op {op}: {other:?} got a block of {fs:?} in use"
+                                        );
+                                    }
+                                }
+                                for o in &mut open {
+                                    o.retain(|&(flo, fhi)| hi <= flo || fhi <= lo);
+                                }
+                                free(AnyBuf::Bytes(b), None, &mut freed, &mut open);
+                            }
+                            Err(PoolError::OutOfMemory(_)) => ooms += 1,
+                            Err(e) => panic!("{e}"),
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+        freed.retain(|f| !f.reused || f.works.iter().any(|&(fs, i)| dev.completed(fs) < i));
+        if live.len() > 48 {
+            for b in live.drain(24..) {
+                free(b, None, &mut freed, &mut open);
+            }
+        }
+        // The open-block bound: a stream's blocks freed since its last event (or since it was idle,
+        // when the pool may return them without one) are in its queue, at most `OPEN_LIMIT` of
+        // them, or in its stream cache, which holds 16 blocks of all the streams sharing it.
+        let mut over = [0usize; 64];
+        for (i, &s) in streams.iter().enumerate() {
+            let rec = dev.recorded(s);
+            if rec != last_recorded[i] || dev.completed(s) == dev.queued(s) {
+                last_recorded[i] = rec;
+                open[i].clear();
+            }
+            let excess = open[i].len().saturating_sub(OPEN_LIMIT);
+            if s.0 <= 2 {
+                assert_eq!(
+                    excess,
+                    0,
+                    "op {op}: {s:?} has {} open blocks",
+                    open[i].len()
+                );
+            } else {
+                hits_over_limit += usize::from(excess > 0);
+                over[cache_of(s.0)] += excess;
+            }
+        }
+        assert!(
+            over.iter().all(|&n| n <= 16),
+            "op {op}: more open blocks beyond OPEN_LIMIT than the caches hold: {over:?}"
+        );
+        // Statistics against the model.
+        let st = p.stats();
+        assert_eq!(st.allocator.num_allocs, num_allocs, "op {op}");
+        let unreused: Vec<&Freed> = freed.iter().filter(|f| !f.reused).collect();
+        let must: usize = unreused
+            .iter()
+            .filter(|f| f.works.iter().any(|&(fs, i)| dev.completed(fs) < i))
+            .count();
+        assert!(
+            must <= st.pending_blocks && st.pending_blocks <= unreused.len(),
+            "op {op}: pending {} not in [{must}, {}]",
+            st.pending_blocks,
+            unreused.len()
+        );
+        let live_bytes: u64 = live.iter().map(|b| b.range().1 - b.range().0).sum();
+        assert_eq!(
+            st.allocator.bytes_in_use as u64,
+            live_bytes + st.pending_bytes as u64,
+            "op {op}"
+        );
+        if op % 256 == 0 {
+            p.check().unwrap();
+        }
+    }
+    eprintln!(
+        "ooms {ooms}, cross {cross}, same {same}, over-limit streams {hits_over_limit}, device syncs {}, \
+         event syncs {}",
+        dev.device_syncs(),
+        dev.event_syncs()
+    );
+    assert!(ooms > 0 && cross > 0 && same > 0 && hits_over_limit > 0 && dev.event_syncs() > 0);
+    drop(live);
+    p.check_err().unwrap();
+    p.synchronize();
+    let st = p.stats();
+    assert_eq!((st.allocator.bytes_in_use, st.pending_blocks), (0, 0));
+    p.check().unwrap();
+    drop(p);
+    assert_eq!(dev.bytes_live(), 0);
+}
+
+/// Six threads allocating and freeing on streams with stream caches (two pairs share a stream, and
+/// the streams' caches are shared with other streams' blocks), one on stream 2 (the pool's lock),
+/// and one calling trim, synchronize and stats at random: live buffers never overlap, the
+/// statistics stay consistent, and once the threads are done everything goes back.
+#[test]
+fn threads_on_cached_streams_with_trims_never_overlap() {
+    let steps = if cfg!(miri) { 100 } else { 4000 };
+    let dev = SimDevice::new(4 * GIB);
+    let p = pool(&dev, PoolOptions::with_limit(4 * MIB));
+    // Streams that hash to the same stream cache as each other.
+    let same_cache: Vec<u64> = (3u64..).filter(|&id| cache_of(id) == 5).take(3).collect();
+    let streams = [
+        same_cache[0],
+        same_cache[0],
+        same_cache[1],
+        same_cache[2],
+        same_cache[2],
+        7,
+        2,
+    ];
+    // Live buffers `lo -> hi`, and freed blocks whose work may still run: `(lo, hi, stream, item)`.
+    type Tracked = (BTreeMap<u64, u64>, Vec<(u64, u64, u64, u64)>);
+    let live: Arc<Mutex<Tracked>> = Arc::default();
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    let ooms = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for (t, &sid) in streams.iter().enumerate() {
+            let (p, live, dev, done, ooms) = (&p, &live, &dev, &done, &ooms);
+            scope.spawn(move || {
+                let stream = SimStream(sid);
+                let mut rng = 0x2545_f491_4f6c_dd1du64 ^ (t as u64 * 0x9E37);
+                /// Counts the thread as done even if it panics, so that the trimming thread stops.
+                struct Done<'a>(&'a std::sync::atomic::AtomicUsize);
+                impl Drop for Done<'_> {
+                    fn drop(&mut self) {
+                        self.0.fetch_add(1, std::sync::atomic::Ordering::Release);
+                    }
+                }
+                let _done = Done(done);
+                let mut held: Vec<DeviceBuffer<u8, SimBackend>> = Vec::new();
+                for _ in 0..steps {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    if held.len() < 24 && rng % 3 != 0 {
+                        let size = if (rng >> 56) % 16 == 0 {
+                            1 + (rng >> 20) as usize % MIB
+                        } else {
+                            1 + (rng >> 20) as usize % (256 << ((rng >> 50) % 4))
+                        };
+                        let b = match alloc(p, stream, size) {
+                            Ok(b) => b,
+                            Err(PoolError::OutOfMemory(_)) => {
+                                ooms.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                continue;
+                            }
+                            Err(e) => panic!("{e}"),
+                        };
+                        let (lo, hi) = (
+                            b.device_address(),
+                            b.device_address() + b.block_size() as u64,
+                        );
+                        let mut tracked = live.lock().unwrap();
+                        let (map, freed) = &mut *tracked;
+                        if let Some((&s, &e)) = map.range(..hi).next_back() {
+                            assert!(e <= lo, "[{lo:#x},{hi:#x}) overlaps [{s:#x},{e:#x})");
+                        }
+                        map.insert(lo, hi);
+                        for &(flo, fhi, fs, item) in freed.iter() {
+                            assert!(
+                                hi <= flo
+                                    || fhi <= lo
+                                    || fs == sid
+                                    || dev.completed(SimStream(fs)) >= item,
+                                "{stream:?} got [{lo:#x},{hi:#x}) while item {item} of stream {fs} \
+                                 on [{flo:#x},{fhi:#x}) may still run"
+                            );
+                        }
+                        freed.retain(|&(_, _, fs, item)| dev.completed(SimStream(fs)) < item);
+                        drop(tracked);
+                        held.push(b);
+                    } else if !held.is_empty() {
+                        let b = held.swap_remove((rng >> 32) as usize % held.len());
+                        let mut tracked = live.lock().unwrap();
+                        let (lo, hi) = (
+                            b.device_address(),
+                            b.device_address() + b.block_size() as u64,
+                        );
+                        tracked.0.remove(&lo);
+                        let item = dev.enqueue(stream); // a kernel still using it
+                        drop(b);
+                        tracked.1.push((lo, hi, sid, item));
+                    }
+                    if (rng >> 40) % 48 == 0 {
+                        dev.complete(stream);
+                    }
+                }
+                for b in held {
+                    let mut tracked = live.lock().unwrap();
+                    tracked.0.remove(&b.device_address());
+                    drop(b);
+                }
+            });
+        }
+        let (p, done) = (&p, &done);
+        scope.spawn(move || {
+            let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+            while done.load(std::sync::atomic::Ordering::Acquire) < streams.len() {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                match rng % 8 {
+                    0 => {
+                        p.trim();
+                    }
+                    1 => {
+                        p.synchronize();
+                    }
+                    _ => {
+                        let s = p.stats();
+                        assert!(s.pending_bytes <= s.allocator.bytes_in_use);
+                        assert!(s.allocator.bytes_in_use <= s.allocator.bytes_reserved);
+                    }
+                }
+                std::thread::yield_now();
+            }
+        });
+    });
+    assert!(live.lock().unwrap().0.is_empty());
+    // The streams' work is done (their last kernels still run: a synchronisation waits for them).
+    p.synchronize();
+    let s = p.stats();
+    assert_eq!(
+        (s.allocator.bytes_in_use, s.pending_blocks, s.pending_bytes),
+        (0, 0, 0)
+    );
+    p.check().unwrap();
+    p.check_err().unwrap();
+    eprintln!("ooms {}", ooms.into_inner());
+    drop(p);
+    assert_eq!(dev.bytes_live(), 0);
+    assert_eq!(dev.allocations_live(), 0);
+}
