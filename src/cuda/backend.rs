@@ -58,7 +58,9 @@ impl std::error::Error for BackendError {}
 ///   they are the same stream (a clone names the same stream): a block freed on a stream is handed
 ///   to that stream's next allocation without any wait;
 /// - [`same_stream`](Self::same_stream) says `true` only of two handles of one stream that
-///   [`check_stream`](Self::check_stream) accepts if it accepts either, and
+///   [`check_stream`](Self::check_stream) accepts if it accepts either, and `check_stream`'s
+///   answer for a stream does not change while the pool holds a handle of it (a cache hit relies
+///   on the check made when the cached block was allocated); and
 ///   [`uses_none`](Self::uses_none) only when [`finish_uses`](Self::finish_uses) would have
 ///   nothing to order: the pool then skips `check_stream` and `finish_uses`;
 /// - [`record_event`](Self::record_event) marks everything queued on its stream so far;
@@ -103,7 +105,10 @@ pub unsafe trait DeviceBackend: Send + 'static {
     /// Fails if `stream` does not belong to this back end's device or context.
     fn check_stream(&self, stream: &Self::Stream) -> Result<(), BackendError>;
 
-    /// A value identifying `stream`: equal for handles of the same stream, distinct otherwise.
+    /// A value identifying `stream`: equal for handles of the same stream (one stream may have
+    /// two, as CUDA's legacy stream, whose null and `CU_STREAM_LEGACY` handles never share
+    /// blocks), distinct for two streams that [`check_stream`](Self::check_stream) accepts
+    /// (streams it refuses may share an id, as CUDA's null handle does in every context).
     fn stream_id(stream: &Self::Stream) -> u64;
 
     /// Whether `a` and `b` are handles of the same stream, one that

@@ -311,7 +311,10 @@ fn drain<B: DeviceBackend>(
             // Not the stream's last owning handle: the cached block's stream was accepted, and
             // accepted streams with one id are one stream, so the handle the queue keeps is of
             // the same stream (or the dropped one is a borrowed stream's, whose drop destroys
-            // nothing).
+            // nothing; if the kept one is borrowed, its owner keeps the stream alive). It may be
+            // the last handle of its context object (CUDA's null stream through a second
+            // `CudaContext` of the pool's driver context): that drop releases a retain of the
+            // context, which the pool's own context object also holds, so nothing is destroyed.
             drop(unkept);
         }
     }
