@@ -2585,6 +2585,8 @@ fn streams_sharing_a_cache_take_only_their_own_blocks() {
     assert_eq!(p.stats().pending_blocks, streams.len());
     // In the order of the frees, so that a stream that took the newest block of its cache would
     // take another stream's.
+    // (Held until the check below, so that no block goes back to a cache.)
+    let mut again = Vec::new();
     for (&s, &at) in streams.iter().zip(&addrs) {
         let b = alloc(&p, s, 4096).unwrap();
         assert_eq!(
@@ -2592,11 +2594,13 @@ fn streams_sharing_a_cache_take_only_their_own_blocks() {
             at,
             "stream {s:?} got another stream's block"
         );
-        std::mem::forget(b); // (kept out of the caches until the check below)
+        again.push(b);
     }
     let s = p.stats();
     assert_eq!((s.pending_blocks, s.allocator.num_allocs), (0, 400));
     assert!(streams.iter().all(|&s| dev.recorded(s) == 0));
+    drop(again);
+    p.check().unwrap();
 }
 
 /// A stream's frees past what its cache holds go to its queue, and the stream reuses all of them
