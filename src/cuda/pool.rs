@@ -283,6 +283,31 @@ fn fits_whole(config: &Config, ptr: usize, size: usize, want: usize, align: usiz
     !would_split
 }
 
+/// The pending block to hand out for `bytes` at `align`, among `blocks` given newest first as
+/// `(key, address, size)`: the smallest that serves the request whole (see [`fits_whole`]), the
+/// newest among equals; an exact fit ends the search. `None` also when `bytes` overflows once
+/// rounded to the granule.
+fn best_fit<K>(
+    config: &Config,
+    bytes: usize,
+    align: usize,
+    blocks: impl Iterator<Item = (K, usize, usize)>,
+) -> Option<K> {
+    let want = bytes.max(1).checked_next_multiple_of(GRANULE)?;
+    let mut best: Option<(K, usize)> = None;
+    for (key, ptr, size) in blocks {
+        if fits_whole(config, ptr, size, want, align)
+            && best.as_ref().is_none_or(|&(_, s)| size < s)
+        {
+            best = Some((key, size));
+            if size == want {
+                break;
+            }
+        }
+    }
+    best.map(|(key, _)| key)
+}
+
 /// Moves the cached blocks of stream `only` (of every stream: `None`) in `caches` to their
 /// streams' queues in `st` as open blocks, oldest first, then closes the streams left with more
 /// than [`OPEN_LIMIT`] open blocks, as a free into the queue would. Returns whether it closed any.
@@ -675,31 +700,19 @@ impl<B: DeviceBackend> State<B> {
     /// freed pending blocks (an exact fit ends the search), so a stream with thousands of pending
     /// frees pays a bounded scan.
     fn take_pending(&mut self, stream: u64, bytes: usize, align: usize) -> Option<(usize, usize)> {
-        let config = *self.bfc.config();
-        let want = bytes.max(1).checked_next_multiple_of(GRANULE)?;
         let qi = self.queue_of(stream)?;
         let q = &mut self.queues[qi];
-        // (batch, index in it, size)
-        let mut best: Option<(usize, usize, usize)> = None;
-        let mut scanned = 0;
-        'scan: for (bi, b) in q.batches.iter().enumerate().rev() {
-            for (i, &(ptr, size)) in b.blocks.iter().enumerate().rev() {
-                if scanned == TAKE_SCAN {
-                    break 'scan;
-                }
-                scanned += 1;
-                if !fits_whole(&config, ptr, size, want, align) {
-                    continue;
-                }
-                if best.is_none_or(|(_, _, s)| size < s) {
-                    best = Some((bi, i, size));
-                    if size == want {
-                        break 'scan;
-                    }
-                }
-            }
-        }
-        let (bi, i, _) = best?;
+        // Keyed by (batch, index in it).
+        let newest_first = q.batches.iter().enumerate().rev().flat_map(|(bi, b)| {
+            let blocks = b.blocks.iter().enumerate().rev();
+            blocks.map(move |(i, &(ptr, size))| ((bi, i), ptr, size))
+        });
+        let (bi, i) = best_fit(
+            self.bfc.config(),
+            bytes,
+            align,
+            newest_first.take(TAKE_SCAN),
+        )?;
         let b = &mut q.batches[bi];
         let (ptr, size) = b.blocks.swap_remove(i);
         if b.blocks.is_empty() {
@@ -829,25 +842,18 @@ impl<B: DeviceBackend> Shared<B> {
         if !B::same_stream(stream, stream) {
             return None;
         }
-        let want = bytes.max(1).checked_next_multiple_of(GRANULE)?;
         let mut c = self
             .cache(sid)
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let mut best: Option<(usize, usize)> = None;
-        for (i, b) in c.blocks.iter().enumerate().rev() {
-            if b.sid == sid
-                && B::same_stream(&b.stream, stream)
-                && fits_whole(&self.config, b.ptr, b.size, want, align)
-                && best.is_none_or(|(_, size)| b.size < size)
-            {
-                best = Some((i, b.size));
-                if b.size == want {
-                    break;
-                }
-            }
-        }
-        let (i, _) = best?;
+        let own = c.blocks.iter().enumerate().rev();
+        let own = own.filter(|(_, b)| b.sid == sid && B::same_stream(&b.stream, stream));
+        let i = best_fit(
+            &self.config,
+            bytes,
+            align,
+            own.map(|(i, b)| (i, b.ptr, b.size)),
+        )?;
         let b = c.blocks.remove(i);
         c.hits += 1;
         Some((b.ptr, b.size, b.stream))
@@ -882,13 +888,6 @@ impl<B: DeviceBackend> Shared<B> {
         Ok(())
     }
 
-    /// Moves the cached blocks of stream `only` (of every stream: `None`) to their streams' queues
-    /// as open blocks, oldest first, where the pool's calls see them (see [`drain`]). Returns
-    /// whether a stream was closed for having more than [`OPEN_LIMIT`] open blocks.
-    fn drain_caches(&self, st: &mut State<B>, only: Option<u64>) -> bool {
-        drain(&self.caches, st, only)
-    }
-
     /// Allocates a block of at least `bytes` for use on `stream`: `(address, usable size)`.
     pub(crate) fn alloc_block(
         &self,
@@ -920,10 +919,10 @@ impl<B: DeviceBackend> Shared<B> {
         // A miss: this stream's open blocks do not fit, so start their way back to the engine. If
         // the engine has no free chunk for the request either, do the same for other streams'
         // open blocks that could serve it, rather than grow.
-        let mut closed = self.drain_caches(&mut st, Some(sid));
+        let mut closed = drain(&self.caches, &mut st, Some(sid));
         closed |= st.close(sid);
         if st.bfc.largest_free_block() < bytes {
-            closed |= self.drain_caches(&mut st, None);
+            closed |= drain(&self.caches, &mut st, None);
             closed |= st.close_where(|other, size| other != sid && size >= bytes);
         }
         if closed {
@@ -932,7 +931,7 @@ impl<B: DeviceBackend> Shared<B> {
         let r = st.allocate(bytes, align);
         if matches!(r, Err(AllocError::OutOfMemory(_))) {
             // (Out of memory is rare: other streams' cached blocks join the wait below.)
-            self.drain_caches(&mut st, None);
+            drain(&self.caches, &mut st, None);
         }
         let r = match r {
             // (With nothing pending, nothing can come back: the driver was asked already.)
@@ -1187,7 +1186,7 @@ impl<B: DeviceBackend> DevicePool<B> {
     /// `empty_cache`). Returns the bytes given back. [`synchronize`](Self::synchronize) waits.
     pub fn trim(&self) -> usize {
         let mut st = self.shared.lock();
-        self.shared.drain_caches(&mut st, None);
+        drain(&self.shared.caches, &mut st, None);
         st.close_all();
         st.poll_pending();
         st.drop_empty_queues();
@@ -1205,7 +1204,7 @@ impl<B: DeviceBackend> DevicePool<B> {
     /// Returns the bytes given back to the driver.
     pub fn synchronize(&self) -> usize {
         let mut st = self.shared.lock();
-        self.shared.drain_caches(&mut st, None);
+        drain(&self.shared.caches, &mut st, None);
         st.flush_pending();
         let n = st.bfc.release_free_regions();
         st.collect_source_errors();
