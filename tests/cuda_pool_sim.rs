@@ -9,6 +9,13 @@ use bfc_alloc::cuda::{
     SimDevice, SimStream, OPEN_LIMIT,
 };
 
+#[path = "common/rng.rs"]
+mod rng;
+use rng::Rng;
+#[path = "common/sim_bufs.rs"]
+mod sim_bufs;
+use sim_bufs::AnyBuf;
+
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
 
@@ -2766,37 +2773,6 @@ fn cache_of(sid: u64) -> usize {
     (sid.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize & 63
 }
 
-/// A live buffer of the random tests: bytes, or 4 KiB pages (aligned above the driver's 512).
-enum AnyBuf {
-    Bytes(DeviceBuffer<u8, SimBackend>),
-    Pages(DeviceBuffer<Page, SimBackend>),
-}
-
-impl AnyBuf {
-    /// `[lo, hi)`: the whole block.
-    fn range(&self) -> (u64, u64) {
-        let (lo, size) = match self {
-            AnyBuf::Bytes(b) => (b.device_address(), b.block_size()),
-            AnyBuf::Pages(b) => (b.device_address(), b.block_size()),
-        };
-        (lo, lo + size as u64)
-    }
-
-    fn home(&self) -> SimStream {
-        match self {
-            AnyBuf::Bytes(b) => *b.home_stream(),
-            AnyBuf::Pages(b) => *b.home_stream(),
-        }
-    }
-
-    fn simulate_use(&self, s: SimStream) -> u64 {
-        match self {
-            AnyBuf::Bytes(b) => b.simulate_use(s),
-            AnyBuf::Pages(b) => b.simulate_use(s),
-        }
-    }
-}
-
 /// A freed block: its range, home stream, the work items that may use it (on its home stream and
 /// on others), and whether an allocation has overlapped it since.
 struct Freed {
@@ -2824,13 +2800,13 @@ fn random_ops_over_many_streams_sharing_caches() {
     // on that hash to 8 of them, about 5 streams per cache.
     let cached = (3u64..).filter(|&id| cache_of(id) < 8).take(38);
     let streams: Vec<SimStream> = [1, 2].into_iter().chain(cached).map(SimStream).collect();
-    let mut live: Vec<AnyBuf> = Vec::new();
+    let mut live: Vec<AnyBuf<Page>> = Vec::new();
     let mut freed: Vec<Freed> = Vec::new();
     // Per stream: blocks freed since its last event or since it was last seen idle, not reused.
     let mut open: Vec<Vec<(u64, u64)>> = vec![Vec::new(); streams.len()];
     let mut last_recorded: Vec<u64> = vec![0; streams.len()];
     // Frees `b` after a kernel on its home stream (and, first, a use on stream `other`).
-    let free = |b: AnyBuf,
+    let free = |b: AnyBuf<Page>,
                 other: Option<SimStream>,
                 freed: &mut Vec<Freed>,
                 open: &mut [Vec<(u64, u64)>]| {
@@ -2852,16 +2828,10 @@ fn random_ops_over_many_streams_sharing_caches() {
     };
     let mut num_allocs = 0u64;
     let (mut ooms, mut cross, mut same, mut hits_over_limit) = (0, 0, 0, 0);
-    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let ops = if cfg!(miri) { 1_000 } else { 12_000 };
     for op in 0..ops {
-        let r = next();
+        let r = rng.next();
         let si = (r >> 8) as usize % streams.len();
         let s = streams[si];
         match r % 20 {
@@ -3135,7 +3105,7 @@ fn threads_on_cached_streams_with_trims_never_overlap() {
             let (p, live, dev, done, ooms) = (&p, &live, &dev, &done, &ooms);
             scope.spawn(move || {
                 let stream = SimStream(sid);
-                let mut rng = 0x2545_f491_4f6c_dd1du64 ^ (t as u64 * 0x9E37);
+                let mut rng = Rng(0x2545_f491_4f6c_dd1d ^ (t as u64 * 0x9E37));
                 /// Counts the thread as done even if it panics, so that the trimming thread stops.
                 struct Done<'a>(&'a std::sync::atomic::AtomicUsize);
                 impl Drop for Done<'_> {
@@ -3146,9 +3116,7 @@ fn threads_on_cached_streams_with_trims_never_overlap() {
                 let _done = Done(done);
                 let mut held: Vec<DeviceBuffer<u8, SimBackend>> = Vec::new();
                 for _ in 0..steps {
-                    rng ^= rng << 13;
-                    rng ^= rng >> 7;
-                    rng ^= rng << 17;
+                    let rng = rng.next();
                     if held.len() < 24 && rng % 3 != 0 {
                         let size = if (rng >> 56) % 16 == 0 {
                             1 + (rng >> 20) as usize % MIB
@@ -3211,11 +3179,9 @@ fn threads_on_cached_streams_with_trims_never_overlap() {
         }
         let (p, done) = (&p, &done);
         scope.spawn(move || {
-            let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+            let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
             while done.load(std::sync::atomic::Ordering::Acquire) < streams.len() {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
+                let rng = rng.next();
                 match rng % 8 {
                     0 => {
                         p.trim();

@@ -12,6 +12,10 @@ const MIB: usize = 1 << 20;
 type Pool = DevicePool<SimBackend>;
 type Buf = DeviceBuffer<u8, SimBackend>;
 
+#[path = "common/sim_bufs.rs"]
+mod sim_bufs;
+use sim_bufs::AnyBuf;
+
 const A: SimStream = SimStream(1);
 const B: SimStream = SimStream(2);
 const C: SimStream = SimStream(3);
@@ -454,41 +458,7 @@ fn random_uses_never_overlap_the_next_owner() {
 struct Page([u8; 8192]);
 
 /// A live buffer of bytes or of pages.
-enum Owned {
-    Bytes(Buf),
-    Pages(DeviceBuffer<Page, SimBackend>),
-}
-
-impl Owned {
-    /// Its block: `(address, size)`.
-    fn block(&self) -> (u64, usize) {
-        match self {
-            Owned::Bytes(b) => (b.device_address(), b.block_size()),
-            Owned::Pages(b) => (b.device_address(), b.block_size()),
-        }
-    }
-
-    fn home(&self) -> SimStream {
-        match self {
-            Owned::Bytes(b) => *b.home_stream(),
-            Owned::Pages(b) => *b.home_stream(),
-        }
-    }
-
-    fn simulate_use(&self, stream: SimStream) -> u64 {
-        match self {
-            Owned::Bytes(b) => b.simulate_use(stream),
-            Owned::Pages(b) => b.simulate_use(stream),
-        }
-    }
-
-    fn simulate_launch(&self) -> u64 {
-        match self {
-            Owned::Bytes(b) => b.simulate_launch(),
-            Owned::Pages(b) => b.simulate_launch(),
-        }
-    }
-}
+type Owned = AnyBuf<Page>;
 
 /// A live buffer and the uses of its block so far.
 struct Live {
