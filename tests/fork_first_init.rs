@@ -58,17 +58,23 @@ fn run_trial(name: &str, env: &str, value: &str, key: &str) -> String {
         .to_owned()
 }
 
-/// One process: a worker runs the process's first initialisation (of `a`) while this thread forks
-/// in a loop; each child initialises and uses `b`, under an alarm that kills it if it hangs.
-fn trial() {
+/// Two small allocators, neither used yet (`a` for the worker's first initialisation, `b` for
+/// the child), for the rest of the process.
+fn two_instances() -> (&'static GlobalBfc, &'static GlobalBfc) {
     let config = HostConfig {
         arena_size: 64 << 20,
         min_arena_size: 64 << 20,
         chunk_capacity: 1 << 12,
         ..HostConfig::DEFAULT
     };
-    let a: &'static GlobalBfc = Box::leak(Box::new(GlobalBfc::with_config(config)));
-    let b: &'static GlobalBfc = Box::leak(Box::new(GlobalBfc::with_config(config)));
+    let leak = || -> &'static GlobalBfc { Box::leak(Box::new(GlobalBfc::with_config(config))) };
+    (leak(), leak())
+}
+
+/// One process: a worker runs the process's first initialisation (of `a`) while this thread forks
+/// in a loop; each child initialises and uses `b`, under an alarm that kills it if it hangs.
+fn trial() {
+    let (a, b) = two_instances();
     let layout = Layout::from_size_align(4096, 8).unwrap();
     let (go, done) = (
         Arc::new(AtomicBool::new(false)),
@@ -184,14 +190,7 @@ extern "C" fn late_prepare() {
 /// One process: registers [`late_prepare`], then forks once while a worker runs the process's
 /// first initialisation (of `a`); the child uses `b` and `a` under an alarm.
 fn late_trial(delay_ns: u64) {
-    let config = HostConfig {
-        arena_size: 64 << 20,
-        min_arena_size: 64 << 20,
-        chunk_capacity: 1 << 12,
-        ..HostConfig::DEFAULT
-    };
-    let a: &'static GlobalBfc = Box::leak(Box::new(GlobalBfc::with_config(config)));
-    let b: &'static GlobalBfc = Box::leak(Box::new(GlobalBfc::with_config(config)));
+    let (a, b) = two_instances();
     // Large: the locked path, with no thread cache (whose exit hook would take libc's malloc lock,
     // which the fork holds from after the prepare handlers on).
     let layout = Layout::from_size_align(1 << 20, 8).unwrap();
