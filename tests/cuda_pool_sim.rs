@@ -2640,6 +2640,35 @@ fn a_full_stream_cache_sends_frees_to_the_queue() {
     p.check().unwrap();
 }
 
+/// A stream whose cache is full of blocks of a size it no longer asks for gets its cache back:
+/// its next allocation on the pool's lock (here served from its queue) moves those blocks to its
+/// queue, so the blocks it frees from then on are cached, and its allocations served without the
+/// pool's lock. (Without that, the
+/// default stream of a program that had freed 16 large buffers took the pool's lock for every
+/// allocation and every free from then on.)
+#[test]
+fn a_stream_whose_cache_holds_other_sizes_gets_its_cache_back() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    dev.enqueue(C);
+    let large: Vec<_> = (0..16).map(|_| alloc(&p, C, MIB).unwrap()).collect();
+    let small = alloc(&p, C, 4096).unwrap();
+    drop(large);
+    drop(small); // The cache is full: to the queue.
+    assert_eq!(p.stats().pending_blocks, 17);
+    // None of the cached blocks serves 4 KiB whole: the block in the queue does; then its free.
+    drop(alloc(&p, C, 4096).unwrap());
+    // Served from the cache: no pool lock, which the closure holds (taking it would panic).
+    let hit = p.inspect_backend(|_| alloc(&p, C, 4096).unwrap());
+    // The 1 MiB blocks still serve the stream (from its queue, where the miss closed them).
+    let requests = dev.requests().len();
+    let again: Vec<_> = (0..16).map(|_| alloc(&p, C, MIB).unwrap()).collect();
+    assert_eq!(p.stats().pending_blocks, 0);
+    assert_eq!(dev.requests().len(), requests, "no new region");
+    drop((hit, again));
+    p.check().unwrap();
+}
+
 /// An allocation that fails only for its alignment (the engine's largest free chunk is large
 /// enough) still waits for the blocks in other streams' caches before it reports out of memory.
 #[test]

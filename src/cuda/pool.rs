@@ -912,6 +912,11 @@ impl<B: DeviceBackend> Shared<B> {
         let mut st = self.lock();
         st.backend().check_stream(stream)?;
         st.poll_pending();
+        // None of the stream's cached blocks served the request: move them to its queue, so that
+        // the pick below is among all its open blocks, and its cache has room for its next frees
+        // (a cache left full of sizes the stream no longer asks for would send each of its frees
+        // to the queue, and each of its allocations here).
+        let mut closed = B::same_stream(stream, stream) && drain(&self.caches, &mut st, Some(sid));
         if let Some((p, size)) = st.take_pending(sid, bytes, align) {
             st.reuses += 1;
             return Ok((p as u64, size));
@@ -919,7 +924,6 @@ impl<B: DeviceBackend> Shared<B> {
         // A miss: this stream's open blocks do not fit, so start their way back to the engine. If
         // the engine has no free chunk for the request either, do the same for other streams'
         // open blocks that could serve it, rather than grow.
-        let mut closed = drain(&self.caches, &mut st, Some(sid));
         closed |= st.close(sid);
         if st.bfc.largest_free_block() < bytes {
             closed |= drain(&self.caches, &mut st, None);
