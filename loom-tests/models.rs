@@ -751,6 +751,54 @@ fn a_stream_cache_hit_races_a_trim() {
     });
 }
 
+/// Model 4d (device pool, feature `cuda`): a thread frees the pool's last buffer while the main
+/// thread drops the pool's last handle. A buffer holds no reference count of its own: its stream
+/// cache holds the pool for it, and the pool goes when the later of the two finds the other gone,
+/// under that cache's lock. On a stream with a stream cache (the free goes to the cache) and on one
+/// without (the free takes the pool's lock); and with the thread first taking a new handle from the
+/// buffer (after the main thread's drop, that makes a pool without handles get one back) and
+/// allocating a second buffer with it, on a stream that may count in the other cache. Every
+/// interleaving: the pool is dropped once, after the last of them (loom reports a leaked or
+/// doubly dropped `Arc`), and it gives its region back.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_last_buffer_and_the_last_handle_go_at_once() {
+    for stream in [1, 3] {
+        for new_handle in [false, true] {
+            last_buffer_and_last_handle(stream, new_handle);
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn last_buffer_and_last_handle(stream: u64, new_handle: bool) {
+    use bfc_alloc::cuda::{DevicePool, PoolOptions, SimDevice, SimStream};
+
+    loom::model(move || {
+        let dev = SimDevice::new(1 << 30);
+        let pool =
+            DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(64 << 20)).unwrap();
+        let s = SimStream(stream);
+        // SAFETY: simulated device memory is never read.
+        let buf = unsafe { pool.alloc::<u8>(&s, 4096) }.unwrap();
+        let t = thread::spawn(move || {
+            if new_handle {
+                let pool = buf.pool();
+                // SAFETY: as above.
+                let other = unsafe { pool.alloc::<u8>(&SimStream(4), 4096) }.unwrap();
+                drop(pool);
+                drop(buf);
+                drop(other);
+            } else {
+                drop(buf);
+            }
+        });
+        drop(pool);
+        t.join().unwrap();
+        assert_eq!(dev.bytes_live(), 0, "the pool gave its region back");
+    });
+}
+
 /// Model 5 (device pool, feature `cuda`): two threads use one buffer at once, on two other
 /// streams, on one other stream, or one on the home stream and one on another. A use's guard
 /// records the event that marks its end only after the use is queued, outside the record's lock,

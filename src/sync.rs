@@ -9,10 +9,18 @@ pub(crate) use core::sync::atomic::AtomicPtr;
 pub(crate) use core::sync::atomic::AtomicUsize;
 #[cfg(not(loom))]
 pub(crate) use core::sync::atomic::{AtomicBool, Ordering};
+#[cfg(all(loom, feature = "host"))]
+pub(crate) use loom::sync::atomic::AtomicPtr;
+#[cfg(all(loom, any(feature = "host", feature = "cuda")))]
+pub(crate) use loom::sync::atomic::AtomicUsize;
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, Ordering};
-#[cfg(all(loom, feature = "host"))]
-pub(crate) use loom::sync::atomic::{AtomicPtr, AtomicUsize};
+
+#[cfg(all(feature = "cuda", loom))]
+pub(crate) use loom::sync::Arc;
+/// The device pool's reference count: std's, or loom's under `--cfg loom`.
+#[cfg(all(feature = "cuda", not(loom)))]
+pub(crate) use std::sync::Arc;
 
 #[cfg(loom)]
 #[allow(unused_imports)]

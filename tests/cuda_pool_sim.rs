@@ -2669,6 +2669,68 @@ fn a_stream_whose_cache_holds_other_sizes_gets_its_cache_back() {
     p.check().unwrap();
 }
 
+/// The pool lives while it has a handle or a buffer, and goes with the last of them, whichever
+/// that is: a buffer is counted in its stream's cache, which holds the pool for it. Also after the
+/// handles went and a buffer gave out a new one, which allocates on another stream; and after
+/// allocations and frees that leave a cache with no buffer (and the pool's reference).
+#[test]
+fn the_pool_goes_with_its_last_handle_or_buffer() {
+    on_both_paths(|sa, sb| {
+        let dev = SimDevice::new(GIB);
+        // The handle goes first.
+        let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+        for _ in 0..3 {
+            drop(alloc(&p, sa, 4096).unwrap());
+        }
+        let x = alloc(&p, sa, 4096).unwrap();
+        drop(p);
+        assert!(dev.bytes_live() > 0, "the buffer keeps the pool");
+        drop(x);
+        assert_eq!(dev.bytes_live(), 0, "the last buffer let the pool go");
+        // The buffer goes first.
+        let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+        drop(alloc(&p, sa, 4096).unwrap());
+        assert!(dev.bytes_live() > 0);
+        drop(p);
+        assert_eq!(dev.bytes_live(), 0, "the last handle let the pool go");
+        // A buffer gives out a handle once the others went.
+        let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+        let x = alloc(&p, sa, 4096).unwrap();
+        drop(p);
+        let p = x.pool();
+        let y = alloc(&p, sb, MIB).unwrap();
+        drop(p);
+        drop(x);
+        assert!(dev.bytes_live() > 0, "y keeps the pool");
+        assert!(y.pool().stats().allocator.bytes_in_use >= MIB);
+        drop(y);
+        assert_eq!(dev.bytes_live(), 0);
+    });
+}
+
+/// Threads dropping a pool's last buffer and its last handle at once let it go once, whichever
+/// comes last (a double drop would crash or fail the device's count; a leak keeps its region).
+#[test]
+fn the_last_buffer_and_the_last_handle_dropped_at_once() {
+    let dev = SimDevice::new(GIB);
+    let rounds = if cfg!(miri) { 20 } else { 2000 };
+    for round in 0..rounds {
+        let s = [A, C][round % 2];
+        let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+        let x = alloc(&p, s, 4096).unwrap();
+        let start = std::sync::Barrier::new(2);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                start.wait();
+                drop(x);
+            });
+            start.wait();
+            drop(p);
+        });
+        assert_eq!(dev.bytes_live(), 0, "round {round}: the pool was kept");
+    }
+}
+
 /// An allocation that fails only for its alignment (the engine's largest free chunk is large
 /// enough) still waits for the blocks in other streams' caches before it reports out of memory.
 #[test]

@@ -2,10 +2,9 @@
 
 use core::marker::PhantomData;
 use core::mem::ManuallyDrop;
-use std::sync::Arc;
 
 use super::backend::DeviceBackend;
-use super::pool::{DevicePool, Shared};
+use super::pool::{DevicePool, PoolRef, Shared};
 
 /// `len` values of `T` in device memory from a [`DevicePool`], for use on one stream (its *home*
 /// stream, the one it was allocated on). Dropping it frees the block, ordered after the work queued
@@ -26,7 +25,7 @@ pub struct DeviceBuffer<T, B: DeviceBackend = super::CudaBackend> {
     /// Taken by the pool when the buffer is dropped.
     pub(crate) stream: ManuallyDrop<B::Stream>,
     pub(crate) uses: B::Uses,
-    pool: Arc<Shared<B>>,
+    pool: PoolRef<B>,
     _elem: PhantomData<fn() -> T>,
 }
 
@@ -36,7 +35,7 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
         len: usize,
         size: usize,
         stream: B::Stream,
-        pool: Arc<Shared<B>>,
+        pool: PoolRef<B>,
     ) -> Self {
         DeviceBuffer {
             ptr,
@@ -80,11 +79,14 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
         &self.stream
     }
 
-    /// The pool the buffer belongs to.
+    /// The pool the buffer belongs to (a new handle).
     pub fn pool(&self) -> DevicePool<B> {
-        DevicePool {
-            shared: self.pool.clone(),
-        }
+        self.pool.handle()
+    }
+
+    /// The pool, without a new handle.
+    pub(crate) fn shared(&self) -> &Shared<B> {
+        self.pool.get()
     }
 
     /// Queues on the home stream a write of zeros to the whole block, after the buffer's last use
@@ -96,10 +98,10 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
         T: cudarc::driver::ValidAsZeroBits,
     {
         let (stream, uses, ptr, size) = (&self.stream, &self.uses, self.ptr, self.size);
-        let pool = self.pool();
-        // SAFETY: the closure leaves the back end in place and only queues a write to the block
-        // `[ptr, ptr + size)`, which this buffer owns (home stream `stream`, uses in `uses`).
-        unsafe { pool.with_backend_mut(|b| b.memset_zero(stream, uses, ptr, size)) }
+        self.shared()
+            // SAFETY: `[ptr, ptr + size)` is this buffer's block, whose home stream is `stream`
+            // and whose uses `uses` records.
+            .with_backend(|b| unsafe { b.memset_zero(stream, uses, ptr, size) })
             .map_err(Into::into)
     }
 }
@@ -111,8 +113,11 @@ impl<T, B: DeviceBackend> Drop for DeviceBuffer<T, B> {
         let stream = unsafe { ManuallyDrop::take(&mut self.stream) };
         // The pool keeps the handle if the block's queue needs one (a free of a pool hit swaps it
         // for the queue's own, with no count changed beyond the buffer's own drop).
-        self.pool
-            .free_block(self.ptr, self.size, stream, &self.uses);
+        // SAFETY: the buffer was counted in the pool when it was allocated on its home stream
+        // (`stream`), this is its one free, and `self.pool` is not used afterwards.
+        unsafe {
+            Shared::free_block(self.pool.as_ptr(), self.ptr, self.size, stream, &self.uses);
+        }
     }
 }
 

@@ -1,10 +1,11 @@
 //! The pool: the engine behind a mutex, plus the frees still pending on their streams.
 
+use core::ptr::NonNull;
 use std::boxed::Box;
 use std::collections::VecDeque;
-use std::sync::{Arc, PoisonError};
+use std::sync::PoisonError;
 
-use crate::sync::{Mutex, MutexGuard};
+use crate::sync::{Arc, AtomicUsize, Mutex, MutexGuard, Ordering};
 use std::vec::Vec;
 
 use super::backend::{DeviceBackend, UsesError};
@@ -248,13 +249,54 @@ struct Cached<S> {
     stream: S,
 }
 
-/// One stream cache: open blocks of the streams whose ids hash to it, oldest first. Its lock is
-/// taken on its own (a hit or free of such a stream) or inside the pool's lock (which moves the
-/// blocks to their streams' queues), never the other way round.
-struct StreamCache<S> {
-    blocks: Vec<Cached<S>>,
+/// One stream cache: open blocks of the streams whose ids hash to it, oldest first, and the count
+/// of those streams' buffers. Its lock is taken on its own (an allocation or a free on such a
+/// stream) or inside the pool's lock (which moves the blocks to their streams' queues), never the
+/// other way round.
+struct StreamCache<B: DeviceBackend> {
+    blocks: Vec<Cached<B::Stream>>,
     /// Allocations this cache served.
     hits: u64,
+    /// Live buffers whose streams' ids hash to this cache (see [`PoolRef`]).
+    buffers: usize,
+    /// The pool, kept alive for those buffers: taken by the first buffer's allocation, and dropped
+    /// when there are no buffers and no pool handles, by whichever of the last buffer's free or the
+    /// last handle's drop comes second. (One reference per cache, not per buffer: threads that
+    /// allocate and free on their own streams then write no shared counter.)
+    pool: Option<Arc<Shared<B>>>,
+}
+
+/// Ends one buffer's count in its stream cache when dropped, and lets the pool go if that was its
+/// last reference.
+struct CountEnd<'a, B: DeviceBackend> {
+    cache: &'a Mutex<StreamCache<B>>,
+    /// The pool's [`Shared::handles`].
+    handles: &'a AtomicUsize,
+}
+
+impl<B: DeviceBackend> Drop for CountEnd<'_, B> {
+    fn drop(&mut self) {
+        let mut c = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        let kept = uncount(&mut c, self.handles);
+        drop(c);
+        // (Possibly the pool's last reference, which frees the cache this guard refers to: it is
+        // not used again.)
+        drop(kept);
+    }
+}
+
+/// One buffer's count in stream cache `c` ends; returns the pool reference to drop, after `c`'s
+/// lock is released, if the count was the cache's last and the pool has no handle (`handles`).
+fn uncount<B: DeviceBackend>(
+    c: &mut StreamCache<B>,
+    handles: &AtomicUsize,
+) -> Option<Arc<Shared<B>>> {
+    c.buffers -= 1;
+    if c.buffers == 0 && handles.load(Ordering::Acquire) == 0 {
+        c.pool.take()
+    } else {
+        None
+    }
 }
 
 /// A stream cache on cache lines of its own.
@@ -262,7 +304,7 @@ struct StreamCache<S> {
 struct Padded<T>(T);
 
 /// A pool's stream caches.
-type Caches<S> = Box<[Padded<Mutex<StreamCache<S>>>]>;
+type Caches<B> = Box<[Padded<Mutex<StreamCache<B>>>]>;
 
 /// The stream cache of stream id `sid`: Fibonacci hashing, because stream handles are addresses
 /// whose low bits repeat.
@@ -312,11 +354,7 @@ fn best_fit<K>(
 /// streams' queues in `st` as open blocks, oldest first, then closes the streams left with more
 /// than [`OPEN_LIMIT`] open blocks, as a free into the queue would. Returns whether it closed any.
 /// The caller holds the pool's lock (`st`).
-fn drain<B: DeviceBackend>(
-    caches: &Caches<B::Stream>,
-    st: &mut State<B>,
-    only: Option<u64>,
-) -> bool {
+fn drain<B: DeviceBackend>(caches: &Caches<B>, st: &mut State<B>, only: Option<u64>) -> bool {
     let caches = match only {
         Some(sid) => core::slice::from_ref(&caches[cache_index(sid)]),
         None => &caches[..],
@@ -371,18 +409,67 @@ pub(crate) struct State<B: DeviceBackend> {
     errors: Vec<PoolError>,
 }
 
-/// The shared part of a pool; buffers keep it alive.
+/// A buffer's reference to its pool. Not a reference count of its own, which each allocation and
+/// free, in every thread, would write: the buffer is counted in its stream's cache (see
+/// [`StreamCache::buffers`]), which holds the pool while it counts any buffer. Invariant: the
+/// buffer is counted from its allocation until its drop, whose last step ends the count
+/// ([`Shared::free_block`]).
+pub(crate) struct PoolRef<B: DeviceBackend>(NonNull<Shared<B>>);
+
+// SAFETY: a `PoolRef` stands for an `Arc<Shared<B>>` (the one its stream cache holds) and is used
+// as one: shared access to the pool, from whichever thread holds the buffer.
+unsafe impl<B: DeviceBackend> Send for PoolRef<B> where Arc<Shared<B>>: Send {}
+// SAFETY: as for `Send`.
+unsafe impl<B: DeviceBackend> Sync for PoolRef<B> where Arc<Shared<B>>: Sync {}
+
+impl<B: DeviceBackend> PoolRef<B> {
+    /// The reference of a buffer that [`Shared::alloc_block`] just counted in `shared`.
+    pub(crate) fn counted(shared: &Arc<Shared<B>>) -> Self {
+        // (From the `Arc`, not from a reference: `handle` turns it back into one.)
+        PoolRef(NonNull::new(Arc::as_ptr(shared).cast_mut()).expect("an Arc is not null"))
+    }
+
+    /// The pool.
+    pub(crate) fn get(&self) -> &Shared<B> {
+        // SAFETY: the buffer is counted while this reference can be used (see the type's
+        // invariant), and its stream cache holds the pool meanwhile.
+        unsafe { self.0.as_ref() }
+    }
+
+    /// The address of the pool, for [`Shared::free_block`].
+    pub(crate) fn as_ptr(&self) -> NonNull<Shared<B>> {
+        self.0
+    }
+
+    /// A new handle of the pool.
+    pub(crate) fn handle(&self) -> DevicePool<B> {
+        self.get().handles.0.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the pointer came from `Arc::as_ptr`, and the pool has a strong reference (its
+        // stream cache's) while the buffer is counted.
+        unsafe {
+            Arc::increment_strong_count(self.0.as_ptr());
+            DevicePool {
+                shared: Arc::from_raw(self.0.as_ptr()),
+            }
+        }
+    }
+}
+
+/// The shared part of a pool; its handles and its buffers' stream caches keep it alive.
 pub(crate) struct Shared<B: DeviceBackend> {
     // Immutable after construction.
     ordinal: usize,
     limit: usize,
     /// The engine's configuration (a copy, for the stream caches' fit test).
     config: Config,
-    // Mutable, behind the lock.
-    state: Mutex<State<B>>,
-    /// Open blocks of streams the back end can compare, each cache behind a lock of its own (see
-    /// [`StreamCache`]).
-    caches: Caches<B::Stream>,
+    // Mutable, behind the lock (on cache lines of its own: the hits read the fields above).
+    state: Padded<Mutex<State<B>>>,
+    /// Open blocks of streams the back end can compare, and the count of buffers, each cache behind
+    /// a lock of its own (see [`StreamCache`]).
+    caches: Caches<B>,
+    /// [`DevicePool`] handles (buffers are counted in the stream caches), on a cache line of its
+    /// own, which only a handle's clone and drop write.
+    handles: Padded<AtomicUsize>,
     /// The thread running an `inspect_backend` / `with_backend_mut` closure, which holds the lock
     /// (0: none): a call into the pool from inside the closure (a buffer dropped there, say) would
     /// wait for that lock forever, so it panics instead.
@@ -776,7 +863,7 @@ impl<B: DeviceBackend> Shared<B> {
             if spin == LOCK_SPINS / 2 {
                 self.check_reentry();
             }
-            match self.state.try_lock() {
+            match self.state.0.try_lock() {
                 Ok(guard) => return guard,
                 Err(std::sync::TryLockError::Poisoned(e)) => return e.into_inner(),
                 Err(std::sync::TryLockError::WouldBlock) => {
@@ -786,7 +873,7 @@ impl<B: DeviceBackend> Shared<B> {
                 }
             }
         }
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.state.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Panics if the calling thread runs a closure of `inspect_backend` / `with_backend_mut` of
@@ -805,7 +892,7 @@ impl<B: DeviceBackend> Shared<B> {
     }
 
     /// Runs `f` on the back end under the lock, noting this thread as inside the closure.
-    fn with_backend<R>(&self, f: impl FnOnce(&mut B) -> R) -> R {
+    pub(crate) fn with_backend<R>(&self, f: impl FnOnce(&mut B) -> R) -> R {
         let mut st = self.lock();
         #[cfg(not(loom))]
         let _mark = {
@@ -824,16 +911,17 @@ impl<B: DeviceBackend> Shared<B> {
     }
 
     /// The stream cache of stream id `sid`.
-    fn cache(&self, sid: u64) -> &Mutex<StreamCache<B::Stream>> {
+    fn cache(&self, sid: u64) -> &Mutex<StreamCache<B>> {
         &self.caches[cache_index(sid)].0
     }
 
-    /// A block of stream `sid`'s cache that serves `bytes` at `align` as a whole block would (the
-    /// smallest, the newest among equals), with the handle its free left, for the caller to drop
-    /// without the cache's lock: `(address, size, handle)`. `None` for a stream the back end cannot
-    /// compare.
+    /// A block of stream `sid`'s cache `c` that serves `bytes` at `align` as a whole block would
+    /// (the smallest, the newest among equals), with the handle its free left, for the caller to
+    /// drop without the cache's lock: `(address, size, handle)`. `None` for a stream the back end
+    /// cannot compare.
     fn take_cached(
         &self,
+        c: &mut StreamCache<B>,
         stream: &B::Stream,
         sid: u64,
         bytes: usize,
@@ -842,10 +930,6 @@ impl<B: DeviceBackend> Shared<B> {
         if !B::same_stream(stream, stream) {
             return None;
         }
-        let mut c = self
-            .cache(sid)
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
         let own = c.blocks.iter().enumerate().rev();
         let own = own.filter(|(_, b)| b.sid == sid && B::same_stream(&b.stream, stream));
         let i = best_fit(
@@ -859,47 +943,28 @@ impl<B: DeviceBackend> Shared<B> {
         Some((b.ptr, b.size, b.stream))
     }
 
-    /// Puts a block freed on `stream` with no use on another stream into its stream cache; gives
-    /// the handle back if the back end cannot compare the stream or the cache is full.
-    fn free_cached(
-        &self,
-        ptr: u64,
-        size: usize,
-        stream: B::Stream,
-        uses: &B::Uses,
-    ) -> Result<(), B::Stream> {
-        let sid = B::stream_id(&stream);
-        if !B::same_stream(&stream, &stream) || !B::uses_none(uses) {
-            return Err(stream);
-        }
-        let mut c = self
-            .cache(sid)
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if c.blocks.len() == STREAM_CACHE_BLOCKS {
-            return Err(stream);
-        }
-        c.blocks.push(Cached {
-            sid,
-            ptr: ptr as usize,
-            size,
-            stream,
-        });
-        Ok(())
-    }
-
-    /// Allocates a block of at least `bytes` for use on `stream`: `(address, usable size)`.
+    /// Allocates a block of at least `bytes` for use on `stream`: `(address, usable size)`, and
+    /// counts its buffer in `stream`'s cache (see [`PoolRef`]).
     pub(crate) fn alloc_block(
-        &self,
+        this: &Arc<Self>,
         stream: &B::Stream,
         bytes: usize,
         align: usize,
     ) -> Result<(u64, usize), PoolError> {
         let sid = B::stream_id(stream);
         let align = align.max(1);
-        // A cached block freed on the same stream (`same_stream`) was allocated on it, so the
-        // stream passed `check_stream` then.
-        if let Some((p, size, handle)) = self.take_cached(stream, sid, bytes, align) {
+        let cache = this.cache(sid);
+        let hit = {
+            let mut c = cache.lock().unwrap_or_else(PoisonError::into_inner);
+            c.buffers += 1;
+            if c.pool.is_none() {
+                c.pool = Some(Arc::clone(this));
+            }
+            // A cached block freed on the same stream (`same_stream`) was allocated on it, so the
+            // stream passed `check_stream` then.
+            this.take_cached(&mut c, stream, sid, bytes, align)
+        };
+        if let Some((p, size, handle)) = hit {
             // The buffer takes the caller's handle, not the one the free left, which may be
             // another handle of the same stream (a borrowed wrapper of an owned stream, say): a
             // buffer keeps the handle it was allocated on, and nothing the pool holds outlives a
@@ -909,6 +974,26 @@ impl<B: DeviceBackend> Shared<B> {
             drop(handle);
             return Ok((p as u64, size));
         }
+        // Unless the allocation succeeds (a failure, or a panic), the count ends.
+        let counted = CountEnd {
+            cache,
+            handles: &this.handles.0,
+        };
+        let r = this.alloc_locked(stream, sid, bytes, align);
+        if r.is_ok() {
+            core::mem::forget(counted);
+        }
+        r
+    }
+
+    /// [`alloc_block`](Self::alloc_block) past its stream cache, under the pool's lock.
+    fn alloc_locked(
+        &self,
+        stream: &B::Stream,
+        sid: u64,
+        bytes: usize,
+        align: usize,
+    ) -> Result<(u64, usize), PoolError> {
         let mut st = self.lock();
         st.backend().check_stream(stream)?;
         st.poll_pending();
@@ -973,12 +1058,55 @@ impl<B: DeviceBackend> Shared<B> {
     }
 
     /// Frees the block at `ptr` (of `size` bytes) used on `stream`, whose handle it takes (the
-    /// buffer's). Never fails; errors are deferred.
-    pub(crate) fn free_block(&self, ptr: u64, size: usize, stream: B::Stream, uses: &B::Uses) {
-        let Err(stream) = self.free_cached(ptr, size, stream, uses) else {
-            return;
-        };
+    /// buffer's), and ends the buffer's count in its stream cache, which may let the pool go.
+    /// Never fails; errors are deferred.
+    ///
+    /// # Safety
+    ///
+    /// `this` points to a live pool in which the buffer of this block is counted (it was allocated
+    /// on `stream`, and this is its only free), and the caller does not use `this` afterwards:
+    /// this call may drop the pool.
+    pub(crate) unsafe fn free_block(
+        this: NonNull<Self>,
+        ptr: u64,
+        size: usize,
+        stream: B::Stream,
+        uses: &B::Uses,
+    ) {
         let sid = B::stream_id(&stream);
+        // SAFETY: the buffer's count keeps the pool alive until the end of the count below. Only
+        // references to the cache and the handle count (both atomics or behind a lock) live
+        // across that point, and neither is used after it.
+        let (cache, handles) = unsafe {
+            let shared = this.as_ref();
+            (shared.cache(sid), &shared.handles.0)
+        };
+        if B::same_stream(&stream, &stream) && B::uses_none(uses) {
+            let mut c = cache.lock().unwrap_or_else(PoisonError::into_inner);
+            if c.blocks.len() < STREAM_CACHE_BLOCKS {
+                c.blocks.push(Cached {
+                    sid,
+                    ptr: ptr as usize,
+                    size,
+                    stream,
+                });
+                let kept = uncount(&mut c, handles);
+                drop(c);
+                // (Possibly the pool's last reference.)
+                drop(kept);
+                return;
+            }
+        }
+        // The count ends last, even if the free panics (a back end's panic loses the block, not
+        // the pool).
+        let _count_end = CountEnd { cache, handles };
+        // SAFETY: as above, the buffer is still counted.
+        unsafe { this.as_ref() }.free_locked(sid, ptr, size, stream, uses);
+    }
+
+    /// [`free_block`](Self::free_block) past its stream cache, under the pool's lock (the buffer is
+    /// still counted).
+    fn free_locked(&self, sid: u64, ptr: u64, size: usize, stream: B::Stream, uses: &B::Uses) {
         let mut st = self.lock();
         match st.backend().finish_uses(&stream, uses) {
             Ok(()) => {}
@@ -1016,9 +1144,14 @@ impl<B: DeviceBackend> Shared<B> {
 
 impl<B: DeviceBackend> Drop for Shared<B> {
     fn drop(&mut self) {
-        // No buffer is left (each holds an `Arc` of this), so after the pending frees every chunk is
-        // free and every region goes back to the driver.
-        let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        // No buffer is left (each is counted in a stream cache, which holds an `Arc` of this while
+        // it counts any), so after the pending frees every chunk is free and every region goes
+        // back to the driver.
+        let st = self
+            .state
+            .0
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
         drain(&self.caches, st, None);
         st.flush_pending();
         st.bfc.release_free_regions();
@@ -1052,8 +1185,32 @@ pub struct DevicePool<B: DeviceBackend = super::CudaBackend> {
 
 impl<B: DeviceBackend> Clone for DevicePool<B> {
     fn clone(&self) -> Self {
+        self.shared.handles.0.fetch_add(1, Ordering::Relaxed);
         DevicePool {
             shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<B: DeviceBackend> Drop for DevicePool<B> {
+    fn drop(&mut self) {
+        if self.shared.handles.0.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        // The last handle: the stream caches without buffers let the pool go (those with buffers
+        // do when their last buffer is freed; see `uncount`). A buffer's free that comes later
+        // finds no handle, under the same cache's lock.
+        for cache in &self.shared.caches {
+            let kept = {
+                let mut c = cache.0.lock().unwrap_or_else(PoisonError::into_inner);
+                if c.buffers == 0 {
+                    c.pool.take()
+                } else {
+                    None
+                }
+            };
+            // (Not the last reference: this handle's own goes after the loop.)
+            drop(kept);
         }
     }
 }
@@ -1102,6 +1259,8 @@ impl<B: DeviceBackend> DevicePool<B> {
                 Padded(Mutex::new(StreamCache {
                     blocks: Vec::with_capacity(STREAM_CACHE_BLOCKS),
                     hits: 0,
+                    buffers: 0,
+                    pool: None,
                 }))
             })
             .collect();
@@ -1111,7 +1270,7 @@ impl<B: DeviceBackend> DevicePool<B> {
                 limit,
                 config: *bfc.config(),
                 caches,
-                state: Mutex::new(State {
+                state: Padded(Mutex::new(State {
                     bfc,
                     queues: Vec::new(),
                     queue_ids: Vec::new(),
@@ -1123,7 +1282,8 @@ impl<B: DeviceBackend> DevicePool<B> {
                     stranded_bytes: 0,
                     reuses: 0,
                     errors: Vec::new(),
-                }),
+                })),
+                handles: Padded(AtomicUsize::new(1)),
                 #[cfg(not(loom))]
                 in_closure: core::sync::atomic::AtomicUsize::new(0),
             }),
@@ -1172,15 +1332,16 @@ impl<B: DeviceBackend> DevicePool<B> {
                     align: core::mem::align_of::<T>(),
                     reason: "len * size_of::<T>() overflows",
                 })?;
-        let (ptr, size) = self
-            .shared
-            .alloc_block(stream, bytes, core::mem::align_of::<T>())?;
+        // (Cloned first: nothing between the count of the buffer and its making can fail.)
+        let handle = stream.clone();
+        let (ptr, size) =
+            Shared::alloc_block(&self.shared, stream, bytes, core::mem::align_of::<T>())?;
         Ok(DeviceBuffer::new(
             ptr,
             len,
             size,
-            stream.clone(),
-            self.shared.clone(),
+            handle,
+            PoolRef::counted(&self.shared),
         ))
     }
 

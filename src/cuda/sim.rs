@@ -866,7 +866,7 @@ impl<T> DeviceBuffer<T, SimBackend> {
 
     /// The simulated device of the buffer's pool.
     fn sim_device(&self) -> SimDevice {
-        self.pool().inspect_backend(|b| b.device().clone())
+        self.shared().with_backend(|b| b.device().clone())
     }
 }
 
