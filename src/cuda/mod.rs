@@ -33,8 +33,12 @@
 //!    and context: the null and legacy handles are the same in every context), without the
 //!    pool's lock, so threads allocating on their own streams do not wait for each other. What
 //!    does not fit in the cache, and every free of a buffer used on another stream, takes the
-//!    pool's lock as before. Everything below that closes or counts a stream's open blocks
-//!    includes its cached ones.
+//!    pool's lock as before; such an allocation first moves the stream's cached blocks to its
+//!    queue (so a cache left full of sizes the stream no longer asks for is emptied). Everything
+//!    below that closes or counts a stream's open blocks includes its cached ones. A buffer is
+//!    counted in its stream's cache, which holds the pool for it while it counts any (the pool
+//!    goes with the last of its handles and buffers), so a hit and its free write no counter
+//!    that every thread shares.
 //! 3. A's open blocks (and those whose event could not be recorded) are *closed* together: if A is
 //!    idle (all its queued work has finished), every pending block of A goes straight back to the
 //!    engine; otherwise one event is recorded on A for all of them. This
