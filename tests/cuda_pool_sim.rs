@@ -1726,6 +1726,10 @@ unsafe impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
         SimBackend::stream_id(&s.0) as u32 as u64
     }
     fn same_stream(a: &Counted, b: &Counted) -> bool {
+        assert_ne!(
+            a.0, PANICS_IN_SAME_STREAM,
+            "a back end panicked comparing streams"
+        );
         // Streams 3 and 4 of any context (`C` and `D` in the pool's) take stream caches, as on
         // `SimBackend`; the others keep to the pool's lock, where the tests of queue handles
         // below count them.
@@ -1788,6 +1792,10 @@ unsafe impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
 /// The stream on which `CountingBackend` panics in a buffer's free.
 const PANICS_IN_FREE: SimStream = SimStream(99);
 
+/// The stream that `CountingBackend` panics on comparing (in an allocation, under a stream cache's
+/// lock).
+const PANICS_IN_SAME_STREAM: SimStream = SimStream(98);
+
 std::thread_local! {
     /// Makes `CountingBackend` panic in `event_sync` on this thread.
     static PANIC_IN_EVENT_SYNC: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -1849,6 +1857,28 @@ fn a_panic_in_the_last_free_still_lets_the_pool_go() {
         dev.bytes_live() < 40 * MIB,
         "{} bytes live: the pool was kept",
         dev.bytes_live()
+    );
+}
+
+/// A back end that panics while an allocation looks in a stream cache leaves no buffer counted
+/// there: the pool still goes with its last handle (and the cache, whose lock the panic poisoned,
+/// still works).
+#[test]
+fn a_panic_in_a_stream_cache_leaves_no_count_behind() {
+    let dev = SimDevice::new(GIB);
+    let p = counting_pool(&dev, 256 * MIB);
+    let a = Counted(A, Arc::new(()));
+    let x = counted_alloc(&p, &a, MIB);
+    let s = Counted(PANICS_IN_SAME_STREAM, Arc::new(()));
+    // SAFETY: simulated memory is never read.
+    let panicked = std::panic::catch_unwind(|| unsafe { p.alloc::<u8>(&s, 4096) }.map(drop));
+    assert!(panicked.is_err());
+    drop(x);
+    drop(p);
+    assert_eq!(
+        dev.bytes_live(),
+        0,
+        "a buffer that was never made kept the pool"
     );
 }
 

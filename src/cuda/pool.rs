@@ -956,13 +956,15 @@ impl<B: DeviceBackend> Shared<B> {
         let cache = this.cache(sid);
         let hit = {
             let mut c = cache.lock().unwrap_or_else(PoisonError::into_inner);
+            // A cached block freed on the same stream (`same_stream`) was allocated on it, so the
+            // stream passed `check_stream` then.
+            let hit = this.take_cached(&mut c, stream, sid, bytes, align);
+            // (Counted after the back end's calls above, which may panic.)
             c.buffers += 1;
             if c.pool.is_none() {
                 c.pool = Some(Arc::clone(this));
             }
-            // A cached block freed on the same stream (`same_stream`) was allocated on it, so the
-            // stream passed `check_stream` then.
-            this.take_cached(&mut c, stream, sid, bytes, align)
+            hit
         };
         if let Some((p, size, handle)) = hit {
             // The buffer takes the caller's handle, not the one the free left, which may be
