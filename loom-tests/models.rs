@@ -571,7 +571,8 @@ fn broken_lock_ordering_is_caught() {
 }
 
 /// Stream pairs of the device-pool models: streams 1 and 2 take the pool's lock for every call;
-/// 3 and 4 have stream caches of their own (two caches under loom, so they may share one).
+/// 3 and 4 take stream caches (each thread has one; two under loom, so that the model threads
+/// share them: the main thread and the second spawned one have the same).
 #[cfg(feature = "cuda")]
 const STREAM_PAIRS: [[u64; 2]; 2] = [[1, 2], [3, 4]];
 
@@ -584,7 +585,7 @@ const STREAM_PAIRS: [[u64; 2]; 2] = [[1, 2], [3, 4]];
 #[cfg(feature = "cuda")]
 #[test]
 fn device_pool_threads_on_two_streams() {
-    // (And two threads on one cached stream, which hit and free in one cache at once.)
+    // (And two threads on one cached stream, each with a stream cache of its own.)
     for streams in STREAM_PAIRS.into_iter().chain([[3, 3]]) {
         threads_on_two_streams(streams);
     }
@@ -707,8 +708,9 @@ fn busy_block_across_streams(streams: [u64; 2]) {
     );
 }
 
-/// Model 4c (device pool, feature `cuda`): a thread frees a buffer of its stream (one with a
-/// stream cache) and allocates the same size again, while another thread trims the pool, which
+/// Model 4c (device pool, feature `cuda`): a thread frees a buffer it allocated on its stream (one
+/// that takes stream caches) and allocates the same size again, while another thread trims the
+/// pool, which
 /// moves every cached block to its stream's queue and closes it (the stream is busy: an event).
 /// Every interleaving: the stream gets its block back once (from its cache or from its queue), the
 /// counts agree, and everything goes back at the end.
@@ -732,15 +734,19 @@ fn a_stream_cache_hit_races_a_trim() {
         let t = {
             let pool = pool.clone();
             thread::spawn(move || {
-                drop(first);
-                // SAFETY: as above.
-                let again = unsafe { pool.alloc::<u8>(&S, 4096) }.unwrap();
-                (again.device_address(), again)
+                pool.trim();
             })
         };
-        pool.trim();
-        let (got, again) = t.join().unwrap();
-        assert_eq!(got, at, "the stream did not get its own block back");
+        // (On the thread that allocated `first`: its stream cache is the one the free uses.)
+        drop(first);
+        // SAFETY: as above.
+        let again = unsafe { pool.alloc::<u8>(&S, 4096) }.unwrap();
+        t.join().unwrap();
+        assert_eq!(
+            again.device_address(),
+            at,
+            "the stream did not get its own block back"
+        );
         let s = pool.stats();
         assert_eq!((s.pending_blocks, s.allocator.num_allocs), (0, 3));
         drop((again, keep));
@@ -757,7 +763,7 @@ fn a_stream_cache_hit_races_a_trim() {
 /// under that cache's lock. On a stream with a stream cache (the free goes to the cache) and on one
 /// without (the free takes the pool's lock); and with the thread first taking a new handle from the
 /// buffer (after the main thread's drop, that makes a pool without handles get one back) and
-/// allocating a second buffer with it, on a stream that may count in the other cache. Every
+/// allocating a second buffer with it, which counts in the thread's own cache. Every
 /// interleaving: the pool is dropped once, after the last of them (loom reports a leaked or
 /// doubly dropped `Arc`), and it gives its region back.
 #[cfg(feature = "cuda")]

@@ -1671,9 +1671,32 @@ fn a_miss_orders_its_own_streams_blocks_once() {
     drop(c);
 }
 
-/// A stream handle whose clones can be counted, over the simulated back end.
-#[derive(Clone, Debug)]
+/// A stream handle whose clones can be counted, over the simulated back end: alive ones with
+/// `Arc::strong_count` of the second field, and every clone made on a thread in `CLONES`.
+#[derive(Debug)]
 struct Counted(SimStream, Arc<()>);
+
+std::thread_local! {
+    /// Clones of `Counted` handles made on this thread.
+    static CLONES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+impl Clone for Counted {
+    fn clone(&self) -> Self {
+        CLONES.with(|c| c.set(c.get() + 1));
+        Counted(self.0, self.1.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        // (Once: the unwinding drops more handles.)
+        assert!(
+            !PANIC_IN_STREAM_DROP.with(|f| f.replace(false)),
+            "a stream handle panicked in its drop"
+        );
+    }
+}
 
 struct CountingBackend(SimBackend);
 
@@ -1730,10 +1753,17 @@ unsafe impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
             a.0, PANICS_IN_SAME_STREAM,
             "a back end panicked comparing streams"
         );
+        assert!(
+            !PANIC_IN_SAME_STREAM.with(std::cell::Cell::get),
+            "a back end panicked comparing streams"
+        );
         // Streams 3 and 4 of any context (`C` and `D` in the pool's) take stream caches, as on
         // `SimBackend`; the others keep to the pool's lock, where the tests of queue handles
         // below count them.
         a.0 == b.0 && matches!(a.0 .0 as u32, 3 | 4)
+    }
+    fn same_handle(a: &Counted, b: &Counted) -> bool {
+        a.0 == b.0 && Arc::ptr_eq(&a.1, &b.1)
     }
     fn uses_none(uses: &bfc_alloc::cuda::SimUses) -> bool {
         SimBackend::uses_none(uses)
@@ -1799,6 +1829,10 @@ const PANICS_IN_SAME_STREAM: SimStream = SimStream(98);
 std::thread_local! {
     /// Makes `CountingBackend` panic in `event_sync` on this thread.
     static PANIC_IN_EVENT_SYNC: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Makes the next `Counted` handle dropped on this thread panic.
+    static PANIC_IN_STREAM_DROP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Makes `CountingBackend` panic in `same_stream` on this thread.
+    static PANIC_IN_SAME_STREAM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// A back end that panics while the pool waits for a batch's event (in a synchronisation) loses
@@ -1856,6 +1890,101 @@ fn a_panic_in_the_last_free_still_lets_the_pool_go() {
     assert!(
         dev.bytes_live() < 40 * MIB,
         "{} bytes live: the pool was kept",
+        dev.bytes_live()
+    );
+}
+
+/// A stream-cache hit through the handle whose clone the cached block's free left (the same
+/// `Arc`) gives the buffer that clone: no clone and no drop of the caller's handle, whose count
+/// every thread on the stream would otherwise write. Through another handle of the stream, the
+/// buffer clones the caller's and the cached one goes.
+#[test]
+fn a_cache_hit_through_the_same_handle_keeps_the_cached_clone() {
+    let dev = SimDevice::new(GIB);
+    let p = counting_pool(&dev, 64 * MIB);
+    let c = Counted(C, Arc::new(()));
+    let clones = || CLONES.with(std::cell::Cell::get);
+    drop(counted_alloc(&p, &c, 4096));
+    assert_eq!(
+        Arc::strong_count(&c.1),
+        2,
+        "the cache holds the freed buffer's clone"
+    );
+    let before = clones();
+    let x = counted_alloc(&p, &c, 4096);
+    assert_eq!(clones(), before, "a hit through the same handle cloned it");
+    assert_eq!(p.stats().pending_blocks, 0, "a hit");
+    drop(x);
+    // Another handle of stream C (an owned and a borrowed wrapper, say).
+    let other = Counted(C, Arc::new(()));
+    let y = counted_alloc(&p, &other, 4096);
+    assert_eq!(p.stats().pending_blocks, 0, "a hit");
+    assert_eq!(clones(), before + 1);
+    assert_eq!(
+        (Arc::strong_count(&c.1), Arc::strong_count(&other.1)),
+        (1, 2),
+        "the buffer holds a clone of the caller's handle, and the cached one went"
+    );
+    drop(y);
+    p.check().unwrap();
+}
+
+/// A back end that panics comparing streams in a buffer's free (before the free chooses between
+/// the stream cache and the pool's lock) does not keep the pool alive either: the buffer's count
+/// ends, and when it was the last one the pool is dropped. (Found by a review.)
+#[test]
+fn a_panic_comparing_streams_in_the_last_free_still_lets_the_pool_go() {
+    let dev = SimDevice::new(GIB);
+    let p = counting_pool(&dev, 256 * MIB);
+    let a = Counted(A, Arc::new(()));
+    let x = counted_alloc(&p, &a, MIB);
+    let region_of_x = dev.bytes_live();
+    let y = counted_alloc(&p, &a, 40 * MIB);
+    drop(p);
+    drop(y);
+    assert!(
+        dev.bytes_live() > region_of_x,
+        "y's region is kept while x lives"
+    );
+    PANIC_IN_SAME_STREAM.with(|f| f.set(true));
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(x)));
+    PANIC_IN_SAME_STREAM.with(|f| f.set(false));
+    assert!(panicked.is_err());
+    // x's block is lost with the panic, so its region stays; the pool itself went, and y's region
+    // with it.
+    assert!(
+        dev.bytes_live() < 40 * MIB,
+        "{} bytes live: the pool was kept",
+        dev.bytes_live()
+    );
+}
+
+/// A stream handle that panics when a stream-cache hit through another handle of the stream drops
+/// the one its block's free left (after the hit counted the buffer it was about to make) leaves no
+/// buffer counted: the pool still goes with its last handle. (Found by a review.)
+#[test]
+fn a_panic_dropping_a_cached_blocks_handle_leaves_no_count_behind() {
+    let dev = SimDevice::new(GIB);
+    let p = counting_pool(&dev, 256 * MIB);
+    let a = Counted(A, Arc::new(()));
+    let c = Counted(C, Arc::new(()));
+    let x = counted_alloc(&p, &c, MIB);
+    let y = counted_alloc(&p, &a, 40 * MIB); // A region of its own.
+    drop(y); // Pending on A (no cache).
+    drop(x); // Into the cache.
+    assert_eq!(p.stats().pending_blocks, 2);
+    let other = Counted(C, Arc::new(()));
+    PANIC_IN_STREAM_DROP.with(|f| f.set(true));
+    // SAFETY: simulated memory is never read.
+    let panicked = std::panic::catch_unwind(|| unsafe { p.alloc::<u8>(&other, MIB) }.map(drop));
+    PANIC_IN_STREAM_DROP.with(|f| f.set(false));
+    assert!(panicked.is_err());
+    drop(p);
+    // The hit's block is lost with the panic, so its region stays; the pool went, and the 40 MiB
+    // region with it.
+    assert!(
+        dev.bytes_live() < 40 * MIB,
+        "{} bytes live: a buffer that was never made kept the pool",
         dev.bytes_live()
     );
 }
@@ -2601,10 +2730,10 @@ fn a_refused_pointer_map_is_reported_as_a_host_allocation_failure() {
     drop(alloc(&p, A, MIB).unwrap());
 }
 
-// ---- Stream caches: streams free into and reuse from a cache of their own ----
+// ---- Stream caches: each thread frees into and reuses from a cache of its own ----
 
-/// Streams whose ids share a stream cache (200 streams, 64 caches) each get back their own block:
-/// another stream's may still be in use by that stream's work.
+/// Streams that share a stream cache (200 streams, all in this thread's) each get back their own
+/// block: another stream's may still be in use by that stream's work.
 #[test]
 fn streams_sharing_a_cache_take_only_their_own_blocks() {
     let dev = SimDevice::new(GIB);
@@ -2637,6 +2766,72 @@ fn streams_sharing_a_cache_take_only_their_own_blocks() {
     assert_eq!((s.pending_blocks, s.allocator.num_allocs), (0, 400));
     assert!(streams.iter().all(|&s| dev.recorded(s) == 0));
     drop(again);
+    p.check().unwrap();
+}
+
+/// Two threads on one stream each keep their frees in their own stream cache, and each reuses its
+/// own without the pool's lock: the second thread's first allocation does not get the first's
+/// cached block (it misses, on the lock), and once each freed one, each gets its own back while
+/// the main thread holds the pool's lock. A buffer freed by another thread goes back to the cache
+/// of the thread that allocated it. (Threads take caches in turn: they share one only if 63 other
+/// threads allocate in between.)
+#[test]
+fn threads_on_one_stream_keep_their_own_stream_caches() {
+    use std::sync::mpsc::{channel, Receiver, Sender};
+    type Buf = DeviceBuffer<u8, SimBackend>;
+    type Job = Box<dyn FnOnce() -> Option<Buf> + Send>;
+    type Worker = (Sender<Job>, Receiver<Option<Buf>>);
+    /// A thread that runs the closures it receives, in order, and sends back what they return.
+    fn worker<'scope>(scope: &'scope std::thread::Scope<'scope, '_>) -> Worker {
+        let (to, from_main) = channel::<Job>();
+        let (to_main, from) = channel::<Option<Buf>>();
+        scope.spawn(move || {
+            for f in from_main {
+                to_main.send(f()).unwrap();
+            }
+        });
+        (to, from)
+    }
+    /// Runs `f` on `w`'s thread; fails if it takes more than 10 s (waiting for the pool's lock).
+    fn run(w: &Worker, f: Job) -> Option<Buf> {
+        w.0.send(f).unwrap();
+        w.1.recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the thread waited for the pool's lock")
+    }
+    let alloc_on_c = |p: &Pool| -> Job {
+        let p = p.clone();
+        Box::new(move || Some(alloc(&p, C, 4096).unwrap()))
+    };
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    dev.enqueue(C);
+    std::thread::scope(|scope| {
+        let (t1, t2) = (worker(scope), worker(scope));
+        let x = run(&t1, alloc_on_c(&p)).unwrap();
+        let at_x = x.device_address();
+        run(
+            &t1,
+            Box::new(move || {
+                drop(x);
+                None
+            }),
+        );
+        let y = run(&t2, alloc_on_c(&p)).unwrap();
+        let at_y = y.device_address();
+        assert_ne!(
+            at_y, at_x,
+            "the second thread took the first's cached block"
+        );
+        // Freed by the main thread: back to the second thread's cache.
+        drop(y);
+        let (x, y) = p.inspect_backend(|_| {
+            let x = run(&t1, alloc_on_c(&p)).unwrap();
+            let y = run(&t2, alloc_on_c(&p)).unwrap();
+            (x, y)
+        });
+        assert_eq!((x.device_address(), y.device_address()), (at_x, at_y));
+        drop((x, y, t1, t2));
+    });
     p.check().unwrap();
 }
 
@@ -2887,13 +3082,6 @@ fn a_cached_block_does_not_go_to_another_contexts_stream_with_its_id() {
 
 // ---- Randomized and multi-threaded tests over many streams sharing the stream caches ----
 
-/// The stream cache a stream id hashes to: a copy of `cache_index` in src/cuda/pool.rs (64
-/// caches), used to pick streams that share caches. If the two drift apart, the tests below still
-/// pass but check less (their streams no longer share caches).
-fn cache_of(sid: u64) -> usize {
-    (sid.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize & 63
-}
-
 /// A freed block: its range, home stream, the work items that may use it (on its home stream and
 /// on others), and whether an allocation has overlapped it since.
 struct Freed {
@@ -2903,7 +3091,7 @@ struct Freed {
     reused: bool,
 }
 
-/// Forty streams, most of them with stream caches that several share (38 streams, 64 caches), a
+/// Forty streams, 38 of them with a stream cache (the test thread's, which they all share), a
 /// small limit, and random allocations (some 4 KiB-aligned), frees (some after uses on other
 /// streams), partial completions, trims and synchronisations. On every allocation, every other
 /// stream's work on the block is completed or ordered before the new owner's; live buffers never
@@ -2917,9 +3105,7 @@ fn random_ops_over_many_streams_sharing_caches() {
     let dev = SimDevice::new(GIB);
     let limit = if cfg!(miri) { 8 * MIB } else { 32 * MIB };
     let p = pool(&dev, PoolOptions::with_limit(limit));
-    // Consecutive ids spread over the caches (Fibonacci hashing): take the first 38 ids from 3
-    // on that hash to 8 of them, about 5 streams per cache.
-    let cached = (3u64..).filter(|&id| cache_of(id) < 8).take(38);
+    let cached = 3u64..41;
     let streams: Vec<SimStream> = [1, 2].into_iter().chain(cached).map(SimStream).collect();
     let mut live: Vec<AnyBuf<Page>> = Vec::new();
     let mut freed: Vec<Freed> = Vec::new();
@@ -3130,8 +3316,8 @@ fn random_ops_over_many_streams_sharing_caches() {
         }
         // The open-block bound: a stream's blocks freed since its last event (or since it was idle,
         // when the pool may return them without one) are in its queue, at most `OPEN_LIMIT` of
-        // them, or in its stream cache, which holds 16 blocks of all the streams sharing it.
-        let mut over = [0usize; 64];
+        // them, or in the thread's stream cache, which holds 16 blocks of all its streams.
+        let mut over = 0;
         for (i, &s) in streams.iter().enumerate() {
             let rec = dev.recorded(s);
             if rec != last_recorded[i] || dev.completed(s) == dev.queued(s) {
@@ -3148,12 +3334,12 @@ fn random_ops_over_many_streams_sharing_caches() {
                 );
             } else {
                 hits_over_limit += usize::from(excess > 0);
-                over[cache_of(s.0)] += excess;
+                over += excess;
             }
         }
         assert!(
-            over.iter().all(|&n| n <= 16),
-            "op {op}: more open blocks beyond OPEN_LIMIT than the caches hold: {over:?}"
+            over <= 16,
+            "op {op}: {over} more open blocks beyond OPEN_LIMIT than the cache holds"
         );
         // Statistics against the model.
         let st = p.stats();
@@ -3196,26 +3382,19 @@ fn random_ops_over_many_streams_sharing_caches() {
     assert_eq!(dev.bytes_live(), 0);
 }
 
-/// Six threads allocating and freeing on streams with stream caches (two pairs share a stream, and
-/// the streams' caches are shared with other streams' blocks), one on stream 2 (the pool's lock),
-/// and one calling trim, synchronize and stats at random: live buffers never overlap, the
-/// statistics stay consistent, and once the threads are done everything goes back.
+/// Six threads allocating and freeing on streams with stream caches (two pairs share a stream), one
+/// on stream 2 (the pool's lock), and one calling trim, synchronize and stats at random; a quarter
+/// of the frees go through a mailbox, so that a thread frees another's buffers into that thread's
+/// stream cache while it allocates from it: live buffers never overlap, the statistics stay
+/// consistent, and once the threads are done everything goes back.
 #[test]
 fn threads_on_cached_streams_with_trims_never_overlap() {
     let steps = if cfg!(miri) { 100 } else { 4000 };
     let dev = SimDevice::new(4 * GIB);
     let p = pool(&dev, PoolOptions::with_limit(4 * MIB));
-    // Streams that hash to the same stream cache as each other.
-    let same_cache: Vec<u64> = (3u64..).filter(|&id| cache_of(id) == 5).take(3).collect();
-    let streams = [
-        same_cache[0],
-        same_cache[0],
-        same_cache[1],
-        same_cache[2],
-        same_cache[2],
-        7,
-        2,
-    ];
+    let streams = [3, 3, 4, 5, 5, 7, 2];
+    // Buffers one thread left for another to free.
+    let mailbox: Mutex<Vec<DeviceBuffer<u8, SimBackend>>> = Mutex::default();
     // Live buffers `lo -> hi`, and freed blocks whose work may still run: `(lo, hi, stream, item)`.
     type Tracked = (BTreeMap<u64, u64>, Vec<(u64, u64, u64, u64)>);
     let live: Arc<Mutex<Tracked>> = Arc::default();
@@ -3223,7 +3402,7 @@ fn threads_on_cached_streams_with_trims_never_overlap() {
     let ooms = std::sync::atomic::AtomicUsize::new(0);
     std::thread::scope(|scope| {
         for (t, &sid) in streams.iter().enumerate() {
-            let (p, live, dev, done, ooms) = (&p, &live, &dev, &done, &ooms);
+            let (p, live, dev, done, ooms, mailbox) = (&p, &live, &dev, &done, &ooms, &mailbox);
             scope.spawn(move || {
                 let stream = SimStream(sid);
                 let mut rng = Rng(0x2545_f491_4f6c_dd1d ^ (t as u64 * 0x9E37));
@@ -3276,16 +3455,23 @@ fn threads_on_cached_streams_with_trims_never_overlap() {
                         drop(tracked);
                         held.push(b);
                     } else if !held.is_empty() {
-                        let b = held.swap_remove((rng >> 32) as usize % held.len());
+                        let mut b = held.swap_remove((rng >> 32) as usize % held.len());
+                        if (rng >> 44) % 4 == 0 {
+                            // Leave it to another thread, and free one left by another.
+                            let mut m = mailbox.lock().unwrap();
+                            m.push(b);
+                            b = m.swap_remove(0);
+                        }
+                        let home = *b.home_stream();
                         let mut tracked = live.lock().unwrap();
                         let (lo, hi) = (
                             b.device_address(),
                             b.device_address() + b.block_size() as u64,
                         );
                         tracked.0.remove(&lo);
-                        let item = dev.enqueue(stream); // a kernel still using it
+                        let item = dev.enqueue(home); // a kernel still using it
                         drop(b);
-                        tracked.1.push((lo, hi, sid, item));
+                        tracked.1.push((lo, hi, home.0, item));
                     }
                     if (rng >> 40) % 48 == 0 {
                         dev.complete(stream);
@@ -3320,6 +3506,9 @@ fn threads_on_cached_streams_with_trims_never_overlap() {
             }
         });
     });
+    for b in mailbox.into_inner().unwrap() {
+        live.lock().unwrap().0.remove(&b.device_address());
+    }
     assert!(live.lock().unwrap().0.is_empty());
     // The streams' work is done (their last kernels still run: a synchronisation waits for them).
     p.synchronize();

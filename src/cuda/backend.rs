@@ -63,6 +63,8 @@ impl std::error::Error for BackendError {}
 ///   on the check made when the cached block was allocated); and
 ///   [`uses_none`](Self::uses_none) only when [`finish_uses`](Self::finish_uses) would have
 ///   nothing to order: the pool then skips `check_stream` and `finish_uses`;
+/// - [`same_handle`](Self::same_handle) says `true` only of two clones of one handle, so that
+///   keeping either and dropping the other are the same;
 /// - [`record_event`](Self::record_event) marks everything queued on its stream so far;
 ///   [`stream_done`](Self::stream_done), [`event_done`](Self::event_done),
 ///   [`event_sync`](Self::event_sync), [`synchronize`](Self::synchronize) and
@@ -114,11 +116,22 @@ pub unsafe trait DeviceBackend: Send + 'static {
     /// Whether `a` and `b` are handles of the same stream, one that
     /// [`check_stream`](Self::check_stream) accepts if it accepts either (so `false` for a handle
     /// that names a different stream on each thread). The pool keeps a stream's freed blocks in a
-    /// stream cache with a lock of its own only if `same_stream(s, s)`, and hands a cached block
-    /// to an allocation on stream `t` only if `same_stream(cached, t)` for the handle its free left
-    /// (which keeps the stream alive, or whose owner must: a borrowed one), without calling
-    /// `check_stream`. The default, `false`, keeps every call on the pool's lock.
+    /// stream cache (the allocating thread's, with a lock of its own) only if `same_stream(s, s)`,
+    /// and hands a cached block to an allocation on stream `t` only if `same_stream(cached, t)`
+    /// for the handle its free left (which keeps the stream alive, or whose owner must: a borrowed
+    /// one), without calling `check_stream`. The default, `false`, keeps every call on the pool's
+    /// lock.
     fn same_stream(a: &Self::Stream, b: &Self::Stream) -> bool {
+        let _ = (a, b);
+        false
+    }
+
+    /// Whether `a` and `b` are clones of one handle (of one `Arc`, say), so that either can stand
+    /// for the other. A buffer served from a stream cache then keeps the handle the cache held
+    /// instead of a clone of the caller's (a clone and a drop fewer: with the handle an `Arc` that
+    /// several threads share, those are writes to one counter from every thread). The default,
+    /// `false`, clones the caller's.
+    fn same_handle(a: &Self::Stream, b: &Self::Stream) -> bool {
         let _ = (a, b);
         false
     }

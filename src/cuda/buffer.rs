@@ -35,6 +35,7 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
         len: usize,
         size: usize,
         stream: B::Stream,
+        uses: B::Uses,
         pool: PoolRef<B>,
     ) -> Self {
         DeviceBuffer {
@@ -42,7 +43,7 @@ impl<T, B: DeviceBackend> DeviceBuffer<T, B> {
             len,
             size,
             stream: ManuallyDrop::new(stream),
-            uses: B::Uses::default(),
+            uses,
             pool,
             _elem: PhantomData,
         }
@@ -116,7 +117,14 @@ impl<T, B: DeviceBackend> Drop for DeviceBuffer<T, B> {
         // SAFETY: the buffer was counted in the pool when it was allocated on its home stream
         // (`stream`), this is its one free, and `self.pool` is not used afterwards.
         unsafe {
-            Shared::free_block(self.pool.as_ptr(), self.ptr, self.size, stream, &self.uses);
+            Shared::free_block(
+                self.pool.as_ptr(),
+                self.pool.cache(),
+                self.ptr,
+                self.size,
+                stream,
+                &self.uses,
+            );
         }
     }
 }

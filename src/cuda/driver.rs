@@ -192,6 +192,10 @@ unsafe impl DeviceBackend for CudaBackend {
             && **a.context() == **b.context()
     }
 
+    fn same_handle(a: &Arc<CudaStream>, b: &Arc<CudaStream>) -> bool {
+        Arc::ptr_eq(a, b)
+    }
+
     fn uses_none(uses: &CudaUses) -> bool {
         uses.protocol.is_unused()
     }

@@ -41,13 +41,14 @@ const SPARES: usize = 16;
 /// at once do not drop and re-create each other's queues.
 const KEPT_QUEUES: usize = 16;
 
-/// Stream caches of a pool (a power of two): a stream the back end can compare (see
-/// [`DeviceBackend::same_stream`]) frees into and reuses from the cache its id hashes to, under
-/// that cache's lock instead of the pool's. Fewer under loom, to keep its models small.
+/// Stream caches of a pool (a power of two, at most the alignment of [`Shared`]): each thread
+/// takes one (see [`thread_cache`]), and its allocations on streams the back end can compare (see
+/// [`DeviceBackend::same_stream`]), and the frees of those buffers, go through that cache under
+/// its lock instead of the pool's. Fewer under loom, to keep its models small.
 const STREAM_CACHES: usize = if cfg!(loom) { 2 } else { 64 };
 
-/// Blocks a stream cache holds at most (of all the streams that hash to it); a free that finds it
-/// full goes to the stream's queue under the pool's lock.
+/// Blocks a stream cache holds at most (of all its streams); a free that finds it full goes to the
+/// stream's queue under the pool's lock.
 const STREAM_CACHE_BLOCKS: usize = 16;
 
 /// Batch queues with room for more than this many batches are not kept for reuse.
@@ -249,15 +250,16 @@ struct Cached<S> {
     stream: S,
 }
 
-/// One stream cache: open blocks of the streams whose ids hash to it, oldest first, and the count
-/// of those streams' buffers. Its lock is taken on its own (an allocation or a free on such a
-/// stream) or inside the pool's lock (which moves the blocks to their streams' queues), never the
-/// other way round.
+/// One stream cache: open blocks (of any streams the back end can compare) that buffers allocated
+/// by its threads left when they were freed, oldest first, and the count of those threads' live
+/// buffers. Its lock is taken on its own (an allocation by one of its threads, or a free of one
+/// of their buffers) or inside the pool's lock (which moves the blocks to their streams' queues),
+/// never the other way round.
 struct StreamCache<B: DeviceBackend> {
     blocks: Vec<Cached<B::Stream>>,
     /// Allocations this cache served.
     hits: u64,
-    /// Live buffers whose streams' ids hash to this cache (see [`PoolRef`]).
+    /// Live buffers allocated by this cache's threads (see [`PoolRef`]).
     buffers: usize,
     /// The pool, kept alive for those buffers: taken by the first buffer's allocation, and dropped
     /// when there are no buffers and no pool handles, by whichever of the last buffer's free or the
@@ -276,9 +278,15 @@ struct CountEnd<'a, B: DeviceBackend> {
 
 impl<B: DeviceBackend> Drop for CountEnd<'_, B> {
     fn drop(&mut self) {
-        let mut c = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
-        let kept = uncount(&mut c, self.handles);
-        drop(c);
+        // (The lock guard goes at the end of its scope, not through `drop(c)`: passed by value,
+        // its reference to the cache would be a protected function argument while another thread,
+        // which may take the lock as soon as it is released, frees the cache (a Stacked Borrows
+        // violation). For the same reason no `CountEnd` is passed by value, except to
+        // `mem::forget` while the count still holds.)
+        let kept = {
+            let mut c = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+            uncount(&mut c, self.handles)
+        };
         // (Possibly the pool's last reference, which frees the cache this guard refers to: it is
         // not used again.)
         drop(kept);
@@ -306,10 +314,36 @@ struct Padded<T>(T);
 /// A pool's stream caches.
 type Caches<B> = Box<[Padded<Mutex<StreamCache<B>>>]>;
 
-/// The stream cache of stream id `sid`: Fibonacci hashing, because stream handles are addresses
-/// whose low bits repeat.
-fn cache_index(sid: u64) -> usize {
-    (sid.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize & (STREAM_CACHES - 1)
+/// The stream cache of the calling thread, the same in every pool: threads take the caches in
+/// turn on their first allocation, so up to [`STREAM_CACHES`] threads alive at once each have
+/// their own, whichever streams they use. (Caches picked by a hash of the stream left two of 8
+/// threads on their own streams sharing a cache about one run in three, and all the threads on
+/// one stream sharing one.)
+#[cfg(not(loom))]
+fn thread_cache() -> usize {
+    use core::cell::Cell;
+    use core::sync::atomic::{AtomicUsize as Counter, Ordering::Relaxed};
+    static NEXT: Counter = Counter::new(0);
+    std::thread_local! {
+        static CACHE: Cell<usize> = const { Cell::new(usize::MAX) };
+    }
+    // (No destructor: available while the thread exits too; 0 if it is not.)
+    CACHE
+        .try_with(|c| {
+            if c.get() == usize::MAX {
+                c.set(NEXT.fetch_add(1, Relaxed) % STREAM_CACHES);
+            }
+            c.get()
+        })
+        .unwrap_or(0)
+}
+
+/// Loom build: the model thread's number (deterministic in every execution).
+#[cfg(loom)]
+fn thread_cache() -> usize {
+    let id = std::format!("{:?}", loom::thread::current().id());
+    let n = id.trim_start_matches("ThreadId(").trim_end_matches(')');
+    n.parse::<usize>().unwrap_or(0) % STREAM_CACHES
 }
 
 /// Whether a pending block of `size` bytes at `ptr` serves `want` bytes (granules) at `align` as a
@@ -350,14 +384,18 @@ fn best_fit<K>(
     best.map(|(key, _)| key)
 }
 
-/// Moves the cached blocks of stream `only` (of every stream: `None`) in `caches` to their
-/// streams' queues in `st` as open blocks, oldest first, then closes the streams left with more
-/// than [`OPEN_LIMIT`] open blocks, as a free into the queue would. Returns whether it closed any.
-/// The caller holds the pool's lock (`st`).
-fn drain<B: DeviceBackend>(caches: &Caches<B>, st: &mut State<B>, only: Option<u64>) -> bool {
-    let caches = match only {
-        Some(sid) => core::slice::from_ref(&caches[cache_index(sid)]),
-        None => &caches[..],
+/// Moves the cached blocks of stream `sid` in cache `index` (`only`; every block of every cache:
+/// `None`) in `caches` to their streams' queues in `st` as open blocks, oldest first, then closes
+/// the streams left with more than [`OPEN_LIMIT`] open blocks, as a free into the queue would.
+/// Returns whether it closed any. The caller holds the pool's lock (`st`).
+fn drain<B: DeviceBackend>(
+    caches: &Caches<B>,
+    st: &mut State<B>,
+    only: Option<(usize, u64)>,
+) -> bool {
+    let (caches, only) = match only {
+        Some((index, sid)) => (core::slice::from_ref(&caches[index]), Some(sid)),
+        None => (&caches[..], None),
     };
     let mut over = false;
     for cache in caches {
@@ -399,6 +437,9 @@ pub(crate) struct State<B: DeviceBackend> {
     queue_ids: Vec<u64>,
     /// Batches with an event, in all queues (a poll has nothing to query without them).
     event_batches: usize,
+    /// Queues without a batch (a poll with more than [`KEPT_QUEUES`] queues has nothing to drop
+    /// without them, and need not look through them all).
+    empty_queues: usize,
     spares: Spares<B::Event>,
     /// Blocks freed while the driver could neither order nor wait for their uses: kept in use in
     /// the engine forever.
@@ -409,11 +450,12 @@ pub(crate) struct State<B: DeviceBackend> {
     errors: Vec<PoolError>,
 }
 
-/// A buffer's reference to its pool. Not a reference count of its own, which each allocation and
-/// free, in every thread, would write: the buffer is counted in its stream's cache (see
-/// [`StreamCache::buffers`]), which holds the pool while it counts any buffer. Invariant: the
-/// buffer is counted from its allocation until its drop, whose last step ends the count
-/// ([`Shared::free_block`]).
+/// A buffer's reference to its pool, and the stream cache it is counted in (in the address's low
+/// bits, which [`Shared`]'s alignment leaves zero). Not a reference count of its own, which each
+/// allocation and free, in every thread, would write: the buffer is counted in the stream cache of
+/// the thread that allocated it (see [`StreamCache::buffers`]), which holds the pool while it
+/// counts any buffer. Invariant: the buffer is counted from its allocation until its drop, whose
+/// last step ends the count ([`Shared::free_block`]).
 pub(crate) struct PoolRef<B: DeviceBackend>(NonNull<Shared<B>>);
 
 // SAFETY: a `PoolRef` stands for an `Arc<Shared<B>>` (the one its stream cache holds) and is used
@@ -423,33 +465,46 @@ unsafe impl<B: DeviceBackend> Send for PoolRef<B> where Arc<Shared<B>>: Send {}
 unsafe impl<B: DeviceBackend> Sync for PoolRef<B> where Arc<Shared<B>>: Sync {}
 
 impl<B: DeviceBackend> PoolRef<B> {
-    /// The reference of a buffer that [`Shared::alloc_block`] just counted in `shared`.
-    pub(crate) fn counted(shared: &Arc<Shared<B>>) -> Self {
+    /// The reference of a buffer that [`Shared::alloc_block`] just counted in `shared`'s stream
+    /// cache `cache`.
+    fn counted(shared: &Arc<Shared<B>>, cache: usize) -> Self {
+        const { assert!(core::mem::align_of::<Shared<B>>() >= STREAM_CACHES) };
+        debug_assert!(cache < STREAM_CACHES);
         // (From the `Arc`, not from a reference: `handle` turns it back into one.)
-        PoolRef(NonNull::new(Arc::as_ptr(shared).cast_mut()).expect("an Arc is not null"))
+        let p = NonNull::new(Arc::as_ptr(shared).cast_mut()).expect("an Arc is not null");
+        PoolRef(p.map_addr(|a| a | cache))
+    }
+
+    /// The stream cache the buffer is counted in.
+    pub(crate) fn cache(&self) -> usize {
+        self.0.addr().get() & (STREAM_CACHES - 1)
+    }
+
+    /// The address of the pool, for [`Shared::free_block`].
+    pub(crate) fn as_ptr(&self) -> NonNull<Shared<B>> {
+        // (The pool's address is a multiple of `STREAM_CACHES`, and not 0.)
+        self.0.map_addr(|a| {
+            core::num::NonZeroUsize::new(a.get() & !(STREAM_CACHES - 1)).expect("not null")
+        })
     }
 
     /// The pool.
     pub(crate) fn get(&self) -> &Shared<B> {
         // SAFETY: the buffer is counted while this reference can be used (see the type's
         // invariant), and its stream cache holds the pool meanwhile.
-        unsafe { self.0.as_ref() }
-    }
-
-    /// The address of the pool, for [`Shared::free_block`].
-    pub(crate) fn as_ptr(&self) -> NonNull<Shared<B>> {
-        self.0
+        unsafe { self.as_ptr().as_ref() }
     }
 
     /// A new handle of the pool.
     pub(crate) fn handle(&self) -> DevicePool<B> {
         self.get().handles.0.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the pointer came from `Arc::as_ptr`, and the pool has a strong reference (its
-        // stream cache's) while the buffer is counted.
+        let p = self.as_ptr().as_ptr().cast_const();
+        // SAFETY: the pointer came from `Arc::as_ptr` (its tag cleared), and the pool has a strong
+        // reference (its stream cache's) while the buffer is counted.
         unsafe {
-            Arc::increment_strong_count(self.0.as_ptr());
+            Arc::increment_strong_count(p);
             DevicePool {
-                shared: Arc::from_raw(self.0.as_ptr()),
+                shared: Arc::from_raw(p),
             }
         }
     }
@@ -497,8 +552,23 @@ impl<B: DeviceBackend> State<B> {
         }
     }
 
+    /// The queue of stream `sid`. Looks through the ids eight at a time, with no early exit
+    /// inside a group, which the compiler turns into vector compares: with a thousand streams'
+    /// queues, a lookup one at a time was most of a pool hit on the lock.
     fn queue_of(&self, sid: u64) -> Option<usize> {
-        self.queue_ids.iter().position(|&id| id == sid)
+        const GROUP: usize = 8;
+        let mut groups = self.queue_ids.chunks_exact(GROUP);
+        for (gi, group) in groups.by_ref().enumerate() {
+            if group.iter().fold(false, |found, &id| found | (id == sid)) {
+                return group
+                    .iter()
+                    .position(|&id| id == sid)
+                    .map(|i| gi * GROUP + i);
+            }
+        }
+        let rest = groups.remainder();
+        let start = self.queue_ids.len() - rest.len();
+        rest.iter().position(|&id| id == sid).map(|i| start + i)
     }
 
     /// Returns a batch's blocks to the engine and recycles its event and its block list.
@@ -536,6 +606,7 @@ impl<B: DeviceBackend> State<B> {
                 qi += 1;
             }
         }
+        self.empty_queues = 0;
     }
 
     /// Adds the block at `ptr` (of `size` bytes), freed on `stream`, to its stream's open blocks.
@@ -553,10 +624,13 @@ impl<B: DeviceBackend> State<B> {
             // A kept empty queue may hold the handle of a stream that has gone since (a borrowed
             // one, destroyed once nothing of it was pending) and whose id this stream now has: the
             // queue takes this stream's handle while its blocks are pending.
-            Some(qi) if self.queues[qi].batches.is_empty() => (
-                qi,
-                Some(core::mem::replace(&mut self.queues[qi].stream, stream)),
-            ),
+            Some(qi) if self.queues[qi].batches.is_empty() => {
+                self.empty_queues -= 1;
+                (
+                    qi,
+                    Some(core::mem::replace(&mut self.queues[qi].stream, stream)),
+                )
+            }
             Some(qi) => (qi, Some(stream)),
             None => {
                 let batches = self.spares.batches();
@@ -686,7 +760,12 @@ impl<B: DeviceBackend> State<B> {
     /// complete in order, so each stream is queried until its first unfinished event. Drops the
     /// empty queues if there are more than [`KEPT_QUEUES`].
     fn poll_pending(&mut self) {
-        if self.queues.len() > KEPT_QUEUES {
+        debug_assert_eq!(
+            self.empty_queues,
+            self.queues.iter().filter(|q| q.batches.is_empty()).count(),
+            "the count of empty queues"
+        );
+        if self.queues.len() > KEPT_QUEUES && self.empty_queues > 0 {
             self.drop_empty_queues();
         }
         debug_assert_eq!(
@@ -718,6 +797,9 @@ impl<B: DeviceBackend> State<B> {
                 }
                 if let Some(b) = self.queues[qi].batches.pop_front() {
                     self.release_batch(b);
+                    if self.queues[qi].batches.is_empty() {
+                        self.empty_queues += 1;
+                    }
                 }
             }
         }
@@ -774,6 +856,9 @@ impl<B: DeviceBackend> State<B> {
                 };
                 if ok {
                     self.release_batch(b);
+                    if self.queues[qi].batches.is_empty() {
+                        self.empty_queues += 1;
+                    }
                 } else {
                     self.queues[qi].batches.push_back(b);
                 }
@@ -803,7 +888,11 @@ impl<B: DeviceBackend> State<B> {
         let b = &mut q.batches[bi];
         let (ptr, size) = b.blocks.swap_remove(i);
         if b.blocks.is_empty() {
-            if let Some(b) = q.batches.remove(bi) {
+            let removed = q.batches.remove(bi);
+            if q.batches.is_empty() {
+                self.empty_queues += 1;
+            }
+            if let Some(b) = removed {
                 self.recycle(b.order);
                 self.spares.put_blocks(b.blocks);
             }
@@ -910,9 +999,9 @@ impl<B: DeviceBackend> Shared<B> {
         f(st.backend())
     }
 
-    /// The stream cache of stream id `sid`.
-    fn cache(&self, sid: u64) -> &Mutex<StreamCache<B>> {
-        &self.caches[cache_index(sid)].0
+    /// Stream cache `index`.
+    fn cache(&self, index: usize) -> &Mutex<StreamCache<B>> {
+        &self.caches[index].0
     }
 
     /// A block of stream `sid`'s cache `c` that serves `bytes` at `align` as a whole block would
@@ -943,17 +1032,23 @@ impl<B: DeviceBackend> Shared<B> {
         Some((b.ptr, b.size, b.stream))
     }
 
-    /// Allocates a block of at least `bytes` for use on `stream`: `(address, usable size)`, and
-    /// counts its buffer in `stream`'s cache (see [`PoolRef`]).
+    /// Allocates a block of at least `bytes` for use on `stream`: `(address, usable size, the
+    /// buffer's handle of `stream`, the buffer's reference to the pool)`, and counts the buffer in
+    /// the calling thread's stream cache (see [`PoolRef`]).
+    #[allow(
+        clippy::type_complexity,
+        reason = "the parts of a buffer, which its caller makes"
+    )]
     pub(crate) fn alloc_block(
         this: &Arc<Self>,
         stream: &B::Stream,
         bytes: usize,
         align: usize,
-    ) -> Result<(u64, usize), PoolError> {
+    ) -> Result<(u64, usize, B::Stream, PoolRef<B>), PoolError> {
         let sid = B::stream_id(stream);
         let align = align.max(1);
-        let cache = this.cache(sid);
+        let index = thread_cache();
+        let cache = this.cache(index);
         let hit = {
             let mut c = cache.lock().unwrap_or_else(PoisonError::into_inner);
             // A cached block freed on the same stream (`same_stream`) was allocated on it, so the
@@ -966,44 +1061,55 @@ impl<B: DeviceBackend> Shared<B> {
             }
             hit
         };
-        if let Some((p, size, handle)) = hit {
-            // The buffer takes the caller's handle, not the one the free left, which may be
-            // another handle of the same stream (a borrowed wrapper of an owned stream, say): a
-            // buffer keeps the handle it was allocated on, and nothing the pool holds outlives a
-            // synchronisation. Dropped without any lock: the caller's handle names the same
-            // stream, so this is its last owning handle only if the caller's is a borrowed one
-            // whose owner is gone, which the borrowed stream's contract rules out.
-            drop(handle);
-            return Ok((p as u64, size));
-        }
-        // Unless the allocation succeeds (a failure, or a panic), the count ends.
+        // Unless a buffer is made (a failure, or a panic), the count ends.
         let counted = CountEnd {
             cache,
             handles: &this.handles.0,
         };
-        let r = this.alloc_locked(stream, sid, bytes, align);
-        if r.is_ok() {
-            core::mem::forget(counted);
-        }
-        r
+        let (p, size, handle) = match hit {
+            // The handle the free left is the caller's (a clone of it): the buffer keeps it.
+            Some((p, size, cached)) if B::same_handle(&cached, stream) => (p as u64, size, cached),
+            Some((p, size, cached)) => {
+                // The buffer takes the caller's handle, not the one the free left, which may be
+                // another handle of the same stream (a borrowed wrapper of an owned stream, say):
+                // a buffer keeps the handle it was allocated on, and nothing the pool holds
+                // outlives a synchronisation. Dropped without any lock: the caller's handle names
+                // the same stream, so this is its last owning handle only if the caller's is a
+                // borrowed one whose owner is gone, which the borrowed stream's contract rules out.
+                drop(cached);
+                // (A clone that panics loses the block; CUDA's handles are `Arc`s, whose clone
+                // does not.)
+                (p as u64, size, stream.clone())
+            }
+            None => {
+                let handle = stream.clone();
+                let (p, size) = this.alloc_locked(stream, sid, index, bytes, align)?;
+                (p, size, handle)
+            }
+        };
+        core::mem::forget(counted);
+        Ok((p, size, handle, PoolRef::counted(this, index)))
     }
 
-    /// [`alloc_block`](Self::alloc_block) past its stream cache, under the pool's lock.
+    /// [`alloc_block`](Self::alloc_block) past the calling thread's stream cache (`index`), under
+    /// the pool's lock.
     fn alloc_locked(
         &self,
         stream: &B::Stream,
         sid: u64,
+        index: usize,
         bytes: usize,
         align: usize,
     ) -> Result<(u64, usize), PoolError> {
         let mut st = self.lock();
         st.backend().check_stream(stream)?;
         st.poll_pending();
-        // None of the stream's cached blocks served the request: move them to its queue, so that
-        // the pick below is among all its open blocks, and its cache has room for its next frees
-        // (a cache left full of sizes the stream no longer asks for would send each of its frees
-        // to the queue, and each of its allocations here).
-        let mut closed = B::same_stream(stream, stream) && drain(&self.caches, &mut st, Some(sid));
+        // None of the stream's blocks in this thread's cache served the request: move them to its
+        // queue, so that the pick below is among all those open blocks, and the cache has room for
+        // the next frees (a cache left full of sizes the thread no longer asks for would send each
+        // of its frees to the queue, and each of its allocations here).
+        let mut closed =
+            B::same_stream(stream, stream) && drain(&self.caches, &mut st, Some((index, sid)));
         if let Some((p, size)) = st.take_pending(sid, bytes, align) {
             st.reuses += 1;
             return Ok((p as u64, size));
@@ -1060,48 +1166,62 @@ impl<B: DeviceBackend> Shared<B> {
     }
 
     /// Frees the block at `ptr` (of `size` bytes) used on `stream`, whose handle it takes (the
-    /// buffer's), and ends the buffer's count in its stream cache, which may let the pool go.
-    /// Never fails; errors are deferred.
+    /// buffer's), and ends the buffer's count in stream cache `index`, which may let the pool go.
+    /// The block goes to that cache if it can (the allocating thread's, which is likely to want it
+    /// again), whichever thread frees it. Never fails; errors are deferred.
     ///
     /// # Safety
     ///
-    /// `this` points to a live pool in which the buffer of this block is counted (it was allocated
-    /// on `stream`, and this is its only free), and the caller does not use `this` afterwards:
-    /// this call may drop the pool.
+    /// `this` points to a live pool in which the buffer of this block is counted, in cache `index`
+    /// (it was allocated on `stream`, and this is its only free), and the caller does not use
+    /// `this` afterwards: this call may drop the pool.
     pub(crate) unsafe fn free_block(
         this: NonNull<Self>,
+        index: usize,
         ptr: u64,
         size: usize,
         stream: B::Stream,
         uses: &B::Uses,
     ) {
-        let sid = B::stream_id(&stream);
         // SAFETY: the buffer's count keeps the pool alive until the end of the count below. Only
         // references to the cache and the handle count (both atomics or behind a lock) live
         // across that point, and neither is used after it.
         let (cache, handles) = unsafe {
             let shared = this.as_ref();
-            (shared.cache(sid), &shared.handles.0)
+            (shared.cache(index), &shared.handles.0)
         };
-        if B::same_stream(&stream, &stream) && B::uses_none(uses) {
-            let mut c = cache.lock().unwrap_or_else(PoisonError::into_inner);
-            if c.blocks.len() < STREAM_CACHE_BLOCKS {
-                c.blocks.push(Cached {
-                    sid,
-                    ptr: ptr as usize,
-                    size,
-                    stream,
-                });
-                let kept = uncount(&mut c, handles);
-                drop(c);
-                // (Possibly the pool's last reference.)
-                drop(kept);
-                return;
+        // The count ends last, even if the free panics (a back end's panic, in any of its calls
+        // below, loses the block, not the pool).
+        let count_end = CountEnd { cache, handles };
+        let sid = B::stream_id(&stream);
+        let stream = if B::same_stream(&stream, &stream) && B::uses_none(uses) {
+            let cached = {
+                let mut c = cache.lock().unwrap_or_else(PoisonError::into_inner);
+                if c.blocks.len() < STREAM_CACHE_BLOCKS {
+                    c.blocks.push(Cached {
+                        sid,
+                        ptr: ptr as usize,
+                        size,
+                        stream,
+                    });
+                    // (The count ends here, under the lock already held.)
+                    core::mem::forget(count_end);
+                    Ok(uncount(&mut c, handles))
+                } else {
+                    Err(stream)
+                }
+            };
+            match cached {
+                Ok(kept) => {
+                    // (Possibly the pool's last reference.)
+                    drop(kept);
+                    return;
+                }
+                Err(stream) => stream,
             }
-        }
-        // The count ends last, even if the free panics (a back end's panic loses the block, not
-        // the pool).
-        let _count_end = CountEnd { cache, handles };
+        } else {
+            stream
+        };
         // SAFETY: as above, the buffer is still counted.
         unsafe { this.as_ref() }.free_locked(sid, ptr, size, stream, uses);
     }
@@ -1277,6 +1397,7 @@ impl<B: DeviceBackend> DevicePool<B> {
                     queues: Vec::new(),
                     queue_ids: Vec::new(),
                     event_batches: 0,
+                    empty_queues: 0,
                     spares: Spares {
                         blocks: Vec::with_capacity(SPARES),
                         batches: Vec::with_capacity(SPARES),
@@ -1334,17 +1455,12 @@ impl<B: DeviceBackend> DevicePool<B> {
                     align: core::mem::align_of::<T>(),
                     reason: "len * size_of::<T>() overflows",
                 })?;
-        // (Cloned first: nothing between the count of the buffer and its making can fail.)
-        let handle = stream.clone();
-        let (ptr, size) =
+        // (Made first: nothing between the count of the buffer and its making calls the back end's
+        // code, which may panic.)
+        let uses = B::Uses::default();
+        let (ptr, size, handle, pool) =
             Shared::alloc_block(&self.shared, stream, bytes, core::mem::align_of::<T>())?;
-        Ok(DeviceBuffer::new(
-            ptr,
-            len,
-            size,
-            handle,
-            PoolRef::counted(&self.shared),
-        ))
+        Ok(DeviceBuffer::new(ptr, len, size, handle, uses, pool))
     }
 
     /// Returns to the engine every pending block whose work has finished, without waiting (the

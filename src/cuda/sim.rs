@@ -621,6 +621,11 @@ unsafe impl DeviceBackend for SimBackend {
         a == b && n > 2 && n != u32::MAX
     }
 
+    /// Equal values: a simulated stream handle is a number, which owns nothing.
+    fn same_handle(a: &SimStream, b: &SimStream) -> bool {
+        a == b
+    }
+
     fn uses_none(uses: &SimUses) -> bool {
         uses.protocol.is_unused()
     }
