@@ -13,8 +13,8 @@
 //! (256 B up to 8 MiB, the same sizes every step) on one stream and then frees them all, so the pool's
 //! batched events, misses and pending-list scans are in the numbers (median ns per alloc+free over
 //! the steps). A third table runs pool hits in 1 to 8 threads at once, each on its own stream
-//! (served by the pool's stream caches), against the same threads on the default stream (one
-//! stream cache for all) and against cudarc in the same threads. Without a driver or a GPU it
+//! (each served by its thread's stream cache), against the same threads all on the default stream
+//! (clones of one handle) and against cudarc in the same threads. Without a driver or a GPU it
 //! prints why and exits 0 (1 with `BFC_REQUIRE_GPU=1`).
 
 use std::hint::black_box;
@@ -202,10 +202,10 @@ fn main() {
     pool.check_err().expect("deferred pool errors");
 }
 
-/// Pool hits (4 KiB) in 1 to 8 threads at once, each on its own stream (each served by its stream
-/// cache), against the same threads all on the context's default stream (one stream, so one
-/// stream cache and its lock for all) and against cudarc's `stream.alloc` + drop on their own
-/// streams. Prints the wall time per alloc+free per thread (medians of 5 rounds); flat means no
+/// Pool hits (4 KiB) in 1 to 8 threads at once, each on its own stream (each served by its
+/// thread's stream cache), against the same threads all on the context's default stream (clones of
+/// one `Arc<CudaStream>`, whose count a hit does not write) and against cudarc's `stream.alloc` +
+/// drop on their own streams. Prints the wall time per alloc+free per thread (medians of 5 rounds); flat means no
 /// contention.
 fn threads_table(pool: &DevicePool) {
     const PAIRS: usize = 20_000;

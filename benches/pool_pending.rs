@@ -17,11 +17,12 @@
 //! every `n` once, and each cell is the median over the rounds.
 //!
 //! A second table times a pool hit (alloc and free on one stream) while 0 to 1,000 other streams
-//! hold a pending block each: the pool finds the stream's queue in a list of stream ids, and a
-//! poll queries nothing while no batch has an event; a stream with a cache of its own finds its
-//! block there, without the pool's lock. A third table runs hits in 1 and 2 threads at once, each
-//! on its own stream, on the pool's lock and with stream caches (the ratio is the second over the
-//! first).
+//! hold a pending block each, all freed by the same thread: the pool finds the stream's queue in a
+//! list of stream ids, and a poll queries nothing while no batch has an event and no queue is
+//! empty. With no other stream, a stream that takes stream caches finds its block in the thread's
+//! cache, without the pool's lock; with 16 or more, their blocks fill that cache, and its hits go
+//! through the lock too. A third table runs hits in 1 and 2 threads at once, each on its own
+//! stream, on the pool's lock and with stream caches (the ratio is the second over the first).
 //!
 //! Every run checks what it measures: the frees are pending, the same-stream allocations took
 //! them, and the pools' invariants hold (so the quick run under `cargo test --benches` checks the
@@ -98,8 +99,8 @@ fn run(n: usize) -> [f64; 4] {
 }
 
 /// ns per pool hit (alloc and free of 4 KiB on stream `s`) while `k` other streams, all busy, hold
-/// one pending block each (in their stream caches, and past 16 per cache in their queues): the
-/// cost of finding the stream's queue among the others, or its cache.
+/// one pending block each (16 in this thread's stream cache, the others in their queues): the cost
+/// of finding the stream's block in the cache, or its queue among the others.
 fn hit_with_streams(s: SimStream, k: usize, hits: usize) -> f64 {
     let dev = SimDevice::new(64 << 30);
     let pool = DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(32 << 30))

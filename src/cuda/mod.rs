@@ -26,19 +26,23 @@
 //! 2. An allocation on the same stream A may take a fitting pending block of A immediately: its work
 //!    is queued before anything the new owner queues on A, so stream order protects it.
 //!
-//!    *Stream caches.* 1 and 2 first go through a stream cache: 64 per pool, picked by the
-//!    stream's handle, each with a lock of its own and room for 16 open blocks. A free of a buffer
-//!    never used on another stream puts its block there, and an allocation on the stream takes a
-//!    fitting one of its own blocks from there (a block freed through a handle of the same stream
-//!    and context: the null and legacy handles are the same in every context), without the
-//!    pool's lock, so threads allocating on their own streams do not wait for each other. What
-//!    does not fit in the cache, and every free of a buffer used on another stream, takes the
-//!    pool's lock as before; such an allocation first moves the stream's cached blocks to its
-//!    queue (so a cache left full of sizes the stream no longer asks for is emptied). Everything
-//!    below that closes or counts a stream's open blocks includes its cached ones. A buffer is
-//!    counted in its stream's cache, which holds the pool for it while it counts any (the pool
-//!    goes with the last of its handles and buffers), so a hit and its free write no counter
-//!    that every thread shares.
+//!    *Stream caches.* 1 and 2 first go through the calling thread's stream cache: 64 per pool,
+//!    which threads take in turn (so the first 64 alive at once have one each), each with a lock
+//!    of its own and room for 16 open blocks of any streams. A free of a buffer never used on
+//!    another stream puts its block in the cache of the thread that allocated it, and an
+//!    allocation takes a fitting block of its stream from its thread's cache (a block freed
+//!    through a handle of the same stream and context: the null and legacy handles are the same
+//!    in every context), without the pool's lock, so threads allocating at once, on their own
+//!    streams or on one, do not wait for each other. What does not fit in the cache, and every
+//!    free of a buffer used on another stream, takes the pool's lock as before; such an
+//!    allocation first moves the stream's blocks in the thread's cache to its queue (so a cache
+//!    left full of sizes the thread no longer asks for is emptied). Everything below that closes
+//!    or counts a stream's open blocks includes those in every cache, except the stream's own
+//!    miss, which closes those in its queue and in its thread's cache. A
+//!    buffer is counted in its thread's cache, which holds the pool for it while it counts any
+//!    (the pool goes with the last of its handles and buffers), and a hit through a clone of the
+//!    handle its block was freed on keeps that clone, so a hit and its free write no counter that
+//!    several threads share.
 //! 3. A's open blocks (and those whose event could not be recorded) are *closed* together: if A is
 //!    idle (all its queued work has finished), every pending block of A goes straight back to the
 //!    engine; otherwise one event is recorded on A for all of them. This
