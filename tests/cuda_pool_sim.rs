@@ -2835,6 +2835,42 @@ fn threads_on_one_stream_keep_their_own_stream_caches() {
     p.check().unwrap();
 }
 
+/// When the engine has no room, an allocation takes its stream's block from another thread's
+/// stream cache, with no event and no wait (rather than waiting for every pending free as for out
+/// of memory).
+#[test]
+fn a_full_pool_gives_a_thread_its_streams_block_from_another_threads_cache() {
+    let dev = SimDevice::new(GIB);
+    let options = PoolOptions {
+        allow_growth: false,
+        ..PoolOptions::with_limit(2 * MIB)
+    };
+    let p = pool(&dev, options);
+    dev.enqueue(C);
+    let at = std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                let x = alloc(&p, C, 2 * MIB).unwrap();
+                let at = x.device_address();
+                drop(x); // Into this thread's cache.
+                at
+            })
+            .join()
+            .unwrap()
+    });
+    assert_eq!(p.stats().pending_blocks, 1);
+    let y = alloc(&p, C, 2 * MIB).unwrap();
+    assert_eq!(y.device_address(), at);
+    assert_eq!(
+        dev.recorded(C),
+        0,
+        "no event: the block was the stream's own"
+    );
+    assert_eq!(dev.completed(C), 0, "no wait for the stream's work");
+    drop(y);
+    p.check().unwrap();
+}
+
 /// A stream's frees past what its cache holds go to its queue, and the stream reuses all of them
 /// with no event (up to `OPEN_LIMIT` in the queue).
 #[test]

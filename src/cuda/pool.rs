@@ -1120,6 +1120,12 @@ impl<B: DeviceBackend> Shared<B> {
         closed |= st.close(sid);
         if st.bfc.largest_free_block() < bytes {
             closed |= drain(&self.caches, &mut st, None);
+            // Other threads' caches may have held this stream's blocks: they are its own, with no
+            // wait.
+            if let Some((p, size)) = st.take_pending(sid, bytes, align) {
+                st.reuses += 1;
+                return Ok((p as u64, size));
+            }
             closed |= st.close_where(|other, size| other != sid && size >= bytes);
         }
         if closed {
