@@ -571,8 +571,8 @@ fn broken_lock_ordering_is_caught() {
 }
 
 /// Stream pairs of the device-pool models: streams 1 and 2 take the pool's lock for every call;
-/// 3 and 4 take stream caches (each thread has one; two under loom, so that the model threads
-/// share them: the main thread and the second spawned one have the same).
+/// 3 and 4 take stream caches (each thread has one; two under loom: the main thread has one, and
+/// the first two spawned threads share the other).
 #[cfg(feature = "cuda")]
 const STREAM_PAIRS: [[u64; 2]; 2] = [[1, 2], [3, 4]];
 
@@ -585,7 +585,7 @@ const STREAM_PAIRS: [[u64; 2]; 2] = [[1, 2], [3, 4]];
 #[cfg(feature = "cuda")]
 #[test]
 fn device_pool_threads_on_two_streams() {
-    // (And two threads on one cached stream, each with a stream cache of its own.)
+    // (And two threads on one cached stream, which hit and free in one cache at once.)
     for streams in STREAM_PAIRS.into_iter().chain([[3, 3]]) {
         threads_on_two_streams(streams);
     }

@@ -338,12 +338,15 @@ fn thread_cache() -> usize {
         .unwrap_or(0)
 }
 
-/// Loom build: the model thread's number (deterministic in every execution).
+/// Loom build: from the model thread's number (deterministic in every execution), so that the
+/// main thread has a cache and the first two spawned threads share the other: the models run
+/// threads in one cache at once, and frees into another thread's cache.
 #[cfg(loom)]
 fn thread_cache() -> usize {
     let id = std::format!("{:?}", loom::thread::current().id());
     let n = id.trim_start_matches("ThreadId(").trim_end_matches(')');
-    n.parse::<usize>().unwrap_or(0) % STREAM_CACHES
+    n.parse::<usize>()
+        .map_or(0, |n| n.div_ceil(2) % STREAM_CACHES)
 }
 
 /// Whether a pending block of `size` bytes at `ptr` serves `want` bytes (granules) at `align` as a
