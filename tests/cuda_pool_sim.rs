@@ -1794,6 +1794,10 @@ unsafe impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
         self.0.event_sync(e)
     }
     fn recycle_event(&mut self, e: bfc_alloc::cuda::SimEvent) {
+        assert!(
+            !PANIC_IN_RECYCLE_EVENT.with(std::cell::Cell::get),
+            "a back end panicked recycling an event"
+        );
         self.0.recycle_event(e)
     }
     fn synchronize(&mut self) -> Result<(), bfc_alloc::cuda::BackendError> {
@@ -1833,6 +1837,47 @@ std::thread_local! {
     static PANIC_IN_STREAM_DROP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Makes `CountingBackend` panic in `same_stream` on this thread.
     static PANIC_IN_SAME_STREAM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Makes `CountingBackend` panic in `recycle_event` on this thread.
+    static PANIC_IN_RECYCLE_EVENT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// A back end that panics recycling the event of a stream's last batch, when a poll (or a
+/// synchronisation) returns that batch and leaves its queue empty, leaves the pool usable: its
+/// count of empty queues still agrees with its queues, so the next call on the pool's lock neither
+/// trips the debug check of that count nor underflows it. (Found by a review of 5b19ed7.)
+#[test]
+fn a_panic_recycling_an_event_keeps_the_empty_queue_count() {
+    for in_synchronize in [false, true] {
+        let dev = SimDevice::new(GIB);
+        let p = counting_pool(&dev, 64 * MIB);
+        let a = Counted(A, Arc::new(()));
+        let b = Counted(B, Arc::new(()));
+        let x = counted_alloc(&p, &a, MIB);
+        dev.enqueue(A);
+        drop(x); // Open on A (no stream cache).
+        p.trim(); // A is busy: one batch with an event, A's only one.
+        assert_eq!(p.stats().pending_blocks, 1);
+        dev.complete_all();
+        PANIC_IN_RECYCLE_EVENT.with(|f| f.set(true));
+        // The poll of this allocation (or the synchronisation) returns A's batch and recycles its
+        // event: a panic.
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if in_synchronize {
+                p.synchronize();
+            } else {
+                drop(counted_alloc(&p, &b, MIB));
+            }
+        }));
+        PANIC_IN_RECYCLE_EVENT.with(|f| f.set(false));
+        assert!(panicked.is_err());
+        // A's queue is empty now. Calls on the pool's lock go on working.
+        let y = counted_alloc(&p, &b, MIB);
+        let z = counted_alloc(&p, &a, MIB);
+        drop(z); // Into A's empty queue.
+        drop(y);
+        p.synchronize();
+        p.check().unwrap();
+    }
 }
 
 /// A back end that panics while the pool waits for a batch's event (in a synchronisation) loses

@@ -36,9 +36,11 @@
 //!    streams or on one, do not wait for each other. What does not fit in the cache, and every
 //!    free of a buffer used on another stream, takes the pool's lock as before; such an
 //!    allocation first moves the stream's blocks in the thread's cache to its queue (so a cache
-//!    left full of sizes the thread no longer asks for is emptied). Everything below that closes
-//!    or counts a stream's open blocks includes those in every cache, except the stream's own
-//!    miss, which closes those in its queue and in its thread's cache. A
+//!    left full of sizes the thread no longer asks for is emptied). What below closes a stream's
+//!    open blocks for other streams (3, 5), and the statistics, include those in every cache; the
+//!    stream's own miss closes those in its queue and its thread's cache, and [`OPEN_LIMIT`]
+//!    counts those in its queue (so a stream used by many threads may hold up to 16 more open
+//!    blocks in each of their caches). A
 //!    buffer is counted in its thread's cache, which holds the pool for it while it counts any
 //!    (the pool goes with the last of its handles and buffers), and a hit through a clone of the
 //!    handle its block was freed on keeps that clone, so a hit and its free write no counter that

@@ -799,10 +799,11 @@ impl<B: DeviceBackend> State<B> {
                     }
                 }
                 if let Some(b) = self.queues[qi].batches.pop_front() {
-                    self.release_batch(b);
+                    // (Counted before the back end recycles the batch's event, which may panic.)
                     if self.queues[qi].batches.is_empty() {
                         self.empty_queues += 1;
                     }
+                    self.release_batch(b);
                 }
             }
         }
@@ -858,10 +859,11 @@ impl<B: DeviceBackend> State<B> {
                     break;
                 };
                 if ok {
-                    self.release_batch(b);
+                    // (Counted before the back end recycles the batch's event, which may panic.)
                     if self.queues[qi].batches.is_empty() {
                         self.empty_queues += 1;
                     }
+                    self.release_batch(b);
                 } else {
                     self.queues[qi].batches.push_back(b);
                 }
