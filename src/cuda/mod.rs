@@ -26,9 +26,10 @@
 //! 2. An allocation on the same stream A may take a fitting pending block of A immediately: its work
 //!    is queued before anything the new owner queues on A, so stream order protects it.
 //!
-//!    *Stream caches.* 1 and 2 first go through the calling thread's stream cache: 64 per pool,
-//!    which threads take in turn (so the first 64 alive at once have one each), each with a lock
-//!    of its own and room for 16 open blocks of any streams. A free of a buffer never used on
+//!    *Stream caches.* 1 and 2 first go through the calling thread's stream cache: there are 64
+//!    per pool, each with a lock of its own and room for 16 open blocks of any streams; a thread
+//!    takes one that no live thread holds and gives it back when it exits (so up to 64 threads
+//!    alive at once have one each). A free of a buffer never used on
 //!    another stream puts its block in the cache of the thread that allocated it, and an
 //!    allocation takes a fitting block of its stream from its thread's cache (a block freed
 //!    through a handle of the same stream and context: the null and legacy handles are the same

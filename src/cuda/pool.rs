@@ -314,26 +314,53 @@ struct Padded<T>(T);
 /// A pool's stream caches.
 type Caches<B> = Box<[Padded<Mutex<StreamCache<B>>>]>;
 
-/// The stream cache of the calling thread, the same in every pool: threads take the caches in
-/// turn on their first allocation, so up to [`STREAM_CACHES`] threads alive at once each have
-/// their own, whichever streams they use. (Caches picked by a hash of the stream left two of 8
-/// threads on their own streams sharing a cache about one run in three, and all the threads on
-/// one stream sharing one.)
+/// The stream cache of the calling thread, the same in every pool: a thread takes the first cache
+/// no live thread holds on its first allocation, and gives it back when it exits, so up to
+/// [`STREAM_CACHES`] threads alive at once each have their own, whichever streams they use (with
+/// more, the others share, in turn). Caches picked by a hash of the stream left two of 8 threads on
+/// their own streams sharing a cache about one run in three, and all the threads on one stream
+/// sharing one; caches handed out in turn for good, the 65th thread ever shared the first's.
 #[cfg(not(loom))]
 fn thread_cache() -> usize {
     use core::cell::Cell;
-    use core::sync::atomic::{AtomicUsize as Counter, Ordering::Relaxed};
+    use core::sync::atomic::{AtomicU64, AtomicUsize as Counter, Ordering::*};
+    const _: () = assert!(STREAM_CACHES == 64, "one bit of `TAKEN` per cache");
+    /// Caches held by live threads, a bit each.
+    static TAKEN: AtomicU64 = AtomicU64::new(0);
+    /// Turns among the shared caches, when every one is taken.
     static NEXT: Counter = Counter::new(0);
-    std::thread_local! {
-        static CACHE: Cell<usize> = const { Cell::new(usize::MAX) };
+    /// The thread's cache (`usize::MAX`: none yet); from [`STREAM_CACHES`] on, a shared one
+    /// (`index + STREAM_CACHES`), which is not given back.
+    struct Held(Cell<usize>);
+    impl Drop for Held {
+        fn drop(&mut self) {
+            let i = self.0.get();
+            if i < STREAM_CACHES {
+                TAKEN.fetch_and(!(1 << i), Release);
+            }
+        }
     }
-    // (No destructor: available while the thread exits too; 0 if it is not.)
+    std::thread_local! {
+        static CACHE: Held = const { Held(Cell::new(usize::MAX)) };
+    }
+    fn take() -> usize {
+        let mut taken = TAKEN.load(Relaxed);
+        while taken != u64::MAX {
+            let i = (!taken).trailing_zeros() as usize;
+            match TAKEN.compare_exchange_weak(taken, taken | 1 << i, Acquire, Relaxed) {
+                Ok(_) => return i,
+                Err(now) => taken = now,
+            }
+        }
+        STREAM_CACHES + NEXT.fetch_add(1, Relaxed) % STREAM_CACHES
+    }
+    // (0 while the thread's locals are being destroyed.)
     CACHE
         .try_with(|c| {
-            if c.get() == usize::MAX {
-                c.set(NEXT.fetch_add(1, Relaxed) % STREAM_CACHES);
+            if c.0.get() == usize::MAX {
+                c.0.set(take());
             }
-            c.get()
+            c.0.get() % STREAM_CACHES
         })
         .unwrap_or(0)
 }
@@ -1573,5 +1600,22 @@ impl<B: DeviceBackend> DevicePool<B> {
     /// If `f` uses this pool, as for [`inspect_backend`](Self::inspect_backend).
     pub unsafe fn with_backend_mut<R>(&self, f: impl FnOnce(&mut B) -> R) -> R {
         self.shared.with_backend(f)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::thread_cache;
+
+    /// A thread's stream cache goes back when the thread exits: 200 threads in turn, each alive
+    /// with this one, never share its cache (handed out in turn for good, the 64th would).
+    #[test]
+    fn exited_threads_give_their_stream_caches_back() {
+        let mine = thread_cache();
+        for t in 0..200 {
+            let theirs = std::thread::spawn(thread_cache).join().unwrap();
+            assert_ne!(theirs, mine, "thread {t} shares this thread's stream cache");
+        }
+        assert_eq!(thread_cache(), mine, "a thread keeps its cache");
     }
 }
