@@ -21,7 +21,8 @@
 //! list of stream ids, and a poll queries nothing while no batch has an event and no queue is
 //! empty. With no other stream, a stream that takes stream caches finds its block in the thread's
 //! cache, without the pool's lock; with 16 or more, their blocks fill that cache, and its hits go
-//! through the lock too. A third table runs hits in 1 and 2 threads at once, each on its own
+//! through the lock too. The last column first closes the other streams' blocks (an unfinished
+//! event each): a poll then queries up to 4 streams' events, in turn. A third table runs hits in 1 and 2 threads at once, each on its own
 //! stream, on the pool's lock and with stream caches (the ratio is the second over the first).
 //!
 //! Every run checks what it measures: the frees are pending, the same-stream allocations took
@@ -99,9 +100,10 @@ fn run(n: usize) -> [f64; 4] {
 }
 
 /// ns per pool hit (alloc and free of 4 KiB on stream `s`) while `k` other streams, all busy, hold
-/// one pending block each (16 in this thread's stream cache, the others in their queues): the cost
-/// of finding the stream's block in the cache, or its queue among the others.
-fn hit_with_streams(s: SimStream, k: usize, hits: usize) -> f64 {
+/// one pending block each (16 in this thread's stream cache, the others in their queues; with
+/// `events`, all in their queues, each with an event that has not completed): the cost of finding
+/// the stream's block in the cache, or its queue among the others, and of polling their events.
+fn hit_with_streams(s: SimStream, k: usize, events: bool, hits: usize) -> f64 {
     let dev = SimDevice::new(64 << 30);
     let pool = DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(32 << 30))
         .expect("simulated pool");
@@ -115,6 +117,9 @@ fn hit_with_streams(s: SimStream, k: usize, hits: usize) -> f64 {
         dev.enqueue(s);
     }
     drop(bufs);
+    if events {
+        pool.trim(); // The streams are busy: an event each.
+    }
     let t = Instant::now();
     for _ in 0..hits {
         // SAFETY: as above.
@@ -167,20 +172,21 @@ fn main() {
     }
 
     println!();
-    println!("| other streams with a pending block | ns per hit (alloc + free on one stream), on the pool's lock | the same, stream with a cache |");
-    println!("|---:|---:|---:|");
+    println!("| other streams with a pending block | ns per hit (alloc + free on one stream), on the pool's lock | the same, stream with a cache | on the pool's lock, the others' blocks waiting for an event each |");
+    println!("|---:|---:|---:|---:|");
     let hits = if runs == 1 { 1_000 } else { 200_000 };
     for k in [0, 16, 100, 1_000] {
-        let mut locked = Vec::new();
-        let mut cached = Vec::new();
+        let (mut locked, mut cached, mut events) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..runs {
-            locked.push(hit_with_streams(LOCKED[0], k, hits));
-            cached.push(hit_with_streams(CACHED[0], k, hits));
+            locked.push(hit_with_streams(LOCKED[0], k, false, hits));
+            cached.push(hit_with_streams(CACHED[0], k, false, hits));
+            events.push(hit_with_streams(LOCKED[0], k, true, hits));
         }
         println!(
-            "| {k} | {:.0} | {:.0} |",
+            "| {k} | {:.0} | {:.0} | {:.0} |",
             median(&mut locked),
-            median(&mut cached)
+            median(&mut cached),
+            median(&mut events)
         );
     }
 

@@ -2916,6 +2916,68 @@ fn a_full_pool_gives_a_thread_its_streams_block_from_another_threads_cache() {
     p.check().unwrap();
 }
 
+/// A poll on the pool's lock queries the events of a few streams at a time, in turn, however many
+/// wait for one: with 100 busy streams holding a closed block each, an allocation and a free on
+/// the lock make at most 8 queries (they made 200), and once the work is done every block goes
+/// back within 13 such pairs.
+#[test]
+fn polls_query_a_few_streams_in_turn() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    let streams: Vec<SimStream> = (10..110).map(SimStream).collect();
+    let bufs: Vec<_> = streams
+        .iter()
+        .map(|&s| alloc(&p, s, MIB).unwrap())
+        .collect();
+    for &s in &streams {
+        dev.enqueue(s);
+    }
+    drop(bufs);
+    p.trim(); // Every stream is busy: an event each.
+    assert_eq!(p.stats().pending_blocks, 100);
+    let queries = dev.event_queries();
+    drop(alloc(&p, A, 4096).unwrap());
+    let made = dev.event_queries() - queries;
+    assert!((1..=8).contains(&made), "{made} event queries");
+    dev.complete_all();
+    for _ in 0..13 {
+        drop(alloc(&p, A, 4096).unwrap());
+    }
+    // (A's own block waits in its queue.)
+    assert_eq!(p.stats().pending_blocks, 1);
+    p.check().unwrap();
+}
+
+/// An allocation that no free chunk can serve first polls every stream's events, so the blocks of
+/// work already done serve it (here, with the pool at its limit, rather than a wait for every
+/// pending free as for out of memory).
+#[test]
+fn an_allocation_the_engine_cannot_serve_polls_every_stream() {
+    let dev = SimDevice::new(GIB);
+    let options = PoolOptions {
+        allow_growth: false,
+        ..PoolOptions::with_limit(100 * MIB)
+    };
+    let p = pool(&dev, options);
+    let streams: Vec<SimStream> = (10..110).map(SimStream).collect();
+    let bufs: Vec<_> = streams
+        .iter()
+        .map(|&s| alloc(&p, s, MIB).unwrap())
+        .collect();
+    for &s in &streams {
+        dev.enqueue(s);
+    }
+    drop(bufs);
+    p.trim();
+    dev.complete_all();
+    let syncs = dev.event_syncs();
+    let x = alloc(&p, A, 8 * MIB).unwrap();
+    assert_eq!(dev.event_syncs(), syncs, "no wait: the blocks were done");
+    assert_eq!(p.stats().pending_blocks, 0);
+    drop(x);
+    p.check().unwrap();
+}
+
 /// A stream's frees past what its cache holds go to its queue, and the stream reuses all of them
 /// with no event (up to `OPEN_LIMIT` in the queue).
 #[test]

@@ -55,8 +55,10 @@
 //!    [`synchronize`](DevicePool::synchronize), out-of-memory and the pool's drop. An event recorded
 //!    later than the free covers all the work queued before it, so this only delays the release.
 //! 4. A closed block goes back to the engine, for every stream, once its event has completed.
-//!    Pending events are polled on every allocation and free that takes the pool's lock (one query
-//!    per stream and event: a stream's events complete in order).
+//!    Pending events are polled on every allocation and free that takes the pool's lock: the
+//!    oldest unfinished event of up to 4 streams, in turn (a stream's events complete in order),
+//!    so that a thousand busy streams do not cost every call a thousand queries; an allocation
+//!    that no free chunk can serve, and a trim, poll every stream's.
 //! 5. Before reporting out-of-memory, the pool waits for every pending block's work, returns them
 //!    all, and tries again: from the returned blocks if they fit, and otherwise after giving fully
 //!    free regions back to the driver to grow by a region that fits.

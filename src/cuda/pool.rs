@@ -34,6 +34,13 @@ const LOCK_SPINS: u32 = 40;
 /// Emptied block lists and batch queues kept for reuse, at most, of each.
 const SPARES: usize = 16;
 
+/// Streams' queues a poll on an allocation or a free looks at, at most, in turn from where the
+/// last one stopped: each stream's oldest unfinished event is a query to the driver, and with a
+/// thousand busy streams, querying them all took every call on the pool's lock hundreds of
+/// microseconds. A trim, and an allocation that finds no free chunk for its request before it
+/// grows the pool, look at every queue.
+const POLL_QUEUES: usize = 4;
+
 /// Stream queues kept while some are empty, at most: with more, the poll of an allocation or a
 /// free drops the empty ones (and their stream handles), as do a trim, a synchronisation, an
 /// out-of-memory wait and the pool's drop. Up to this many, a stream whose pending blocks were all
@@ -470,6 +477,8 @@ pub(crate) struct State<B: DeviceBackend> {
     /// Queues without a batch (a poll with more than [`KEPT_QUEUES`] queues has nothing to drop
     /// without them, and need not look through them all).
     empty_queues: usize,
+    /// The queue the next poll looks at first (see [`POLL_QUEUES`]).
+    poll_cursor: usize,
     spares: Spares<B::Event>,
     /// Blocks freed while the driver could neither order nor wait for their uses: kept in use in
     /// the engine forever.
@@ -786,10 +795,23 @@ impl<B: DeviceBackend> State<B> {
         self.close_where(|_, _| true);
     }
 
-    /// Returns every pending batch whose event has completed to the engine. Events of one stream
-    /// complete in order, so each stream is queried until its first unfinished event. Drops the
-    /// empty queues if there are more than [`KEPT_QUEUES`].
+    /// Returns pending batches whose event has completed to the engine, looking at up to
+    /// [`POLL_QUEUES`] streams' queues, in turn from where the last poll stopped (see
+    /// [`poll`](Self::poll)).
     fn poll_pending(&mut self) {
+        self.poll(POLL_QUEUES);
+    }
+
+    /// Returns every pending batch whose event has completed to the engine.
+    fn poll_all(&mut self) {
+        self.poll(usize::MAX);
+    }
+
+    /// Returns the pending batches whose event has completed, in up to `most` queues from the
+    /// cursor on, to the engine. Events of one stream complete in order, so each stream is
+    /// queried until its first unfinished event. Drops the empty queues if there are more than
+    /// [`KEPT_QUEUES`].
+    fn poll(&mut self, most: usize) {
         debug_assert_eq!(
             self.empty_queues,
             self.queues.iter().filter(|q| q.batches.is_empty()).count(),
@@ -810,7 +832,12 @@ impl<B: DeviceBackend> State<B> {
         if self.event_batches == 0 {
             return;
         }
-        for qi in 0..self.queues.len() {
+        let n = self.queues.len();
+        let walk = most.min(n);
+        let start = if walk == n { 0 } else { self.poll_cursor % n };
+        self.poll_cursor = (start + walk) % n.max(1);
+        // (Releasing batches moves no queue.)
+        for qi in (start..n).chain(0..start).take(walk) {
             // Only a batch with an event can be done (open and unordered ones come last).
             while let Some(Batch {
                 order: Order::Event(ev),
@@ -1150,7 +1177,8 @@ impl<B: DeviceBackend> Shared<B> {
         // the engine has no free chunk for the request either, do the same for other streams'
         // open blocks that could serve it, rather than grow.
         closed |= st.close(sid);
-        if st.bfc.largest_free_block() < bytes {
+        let engine_full = st.bfc.largest_free_block() < bytes;
+        if engine_full {
             closed |= drain(&self.caches, &mut st, None);
             // Other threads' caches may have held this stream's blocks: they are its own, with no
             // wait.
@@ -1160,7 +1188,10 @@ impl<B: DeviceBackend> Shared<B> {
             }
             closed |= st.close_where(|other, size| other != sid && size >= bytes);
         }
-        if closed {
+        if engine_full {
+            // Before the pool grows: every stream's completed batches.
+            st.poll_all();
+        } else if closed {
             st.poll_pending();
         }
         let r = st.allocate(bytes, align);
@@ -1436,6 +1467,7 @@ impl<B: DeviceBackend> DevicePool<B> {
                     queue_ids: Vec::new(),
                     event_batches: 0,
                     empty_queues: 0,
+                    poll_cursor: 0,
                     spares: Spares {
                         blocks: Vec::with_capacity(SPARES),
                         batches: Vec::with_capacity(SPARES),
@@ -1509,7 +1541,7 @@ impl<B: DeviceBackend> DevicePool<B> {
         let mut st = self.shared.lock();
         drain(&self.shared.caches, &mut st, None);
         st.close_all();
-        st.poll_pending();
+        st.poll_all();
         st.drop_empty_queues();
         let n = st.bfc.release_free_regions();
         st.collect_source_errors();

@@ -84,6 +84,8 @@ struct SimState {
     refuse_above: usize,
     frees: usize,
     event_syncs: usize,
+    /// Event queries (`event_done`) so far.
+    event_queries: usize,
     device_syncs: usize,
     events_recycled: usize,
     fail_event_record: bool,
@@ -275,6 +277,7 @@ impl SimDevice {
                 refuse_above: usize::MAX,
                 frees: 0,
                 event_syncs: 0,
+                event_queries: 0,
                 device_syncs: 0,
                 events_recycled: 0,
                 fail_event_record: false,
@@ -499,6 +502,11 @@ impl SimDevice {
         self.lock().event_syncs
     }
 
+    /// Number of event queries (`cuEventQuery`) so far.
+    pub fn event_queries(&self) -> usize {
+        self.lock().event_queries
+    }
+
     /// Number of device-wide synchronisations so far.
     pub fn device_syncs(&self) -> usize {
         self.lock().device_syncs
@@ -655,6 +663,7 @@ unsafe impl DeviceBackend for SimBackend {
 
     fn event_done(&mut self, event: &SimEvent) -> Result<bool, BackendError> {
         let mut st = self.device.lock();
+        st.event_queries += 1;
         if st.fail_event_queries {
             return Err(failed("cuEventQuery"));
         }
