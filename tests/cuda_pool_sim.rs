@@ -3667,3 +3667,61 @@ fn threads_on_cached_streams_with_trims_never_overlap() {
     assert_eq!(dev.bytes_live(), 0);
     assert_eq!(dev.allocations_live(), 0);
 }
+
+/// An allocation whose alignment no free chunk can meet polls every stream's events too, as one
+/// no free chunk is large enough for does: here a free chunk of exactly the request's size is
+/// misaligned for it, and the blocks of four streams whose work is done (aligned, and of the
+/// size) would serve it, but the partial poll looks at four other streams, still busy. Without
+/// the full poll the pool, at its limit, waits for every pending free as for out of memory (it
+/// would grow, with growth allowed).
+#[test]
+fn an_allocation_no_free_chunk_can_align_polls_every_stream() {
+    #[repr(C, align(1048576))]
+    struct Aligned([u8; MIB]);
+    let dev = SimDevice::new(GIB);
+    let options = PoolOptions {
+        allow_growth: false,
+        ..PoolOptions::with_limit(16 * MIB)
+    };
+    let p = pool(&dev, options);
+    let aligned = |s: SimStream| {
+        // SAFETY: simulated memory is never read.
+        unsafe { p.alloc::<Aligned>(&s, 1) }
+    };
+    let p0 = alloc(&p, A, 256).unwrap();
+    let m = alloc(&p, A, MIB).unwrap();
+    let p2 = alloc(&p, A, 256).unwrap();
+    assert_ne!(m.device_address() % MIB as u64, 0, "the hole is misaligned");
+    let streams: Vec<SimStream> = (10..18).map(SimStream).collect();
+    let bufs: Vec<_> = streams.iter().map(|&s| aligned(s).unwrap()).collect();
+    // Fill the rest of the pool, so that the hole `m` leaves is the only free chunk.
+    let mut fill = Vec::new();
+    let mut size = 8 * MIB;
+    while size >= 256 {
+        match alloc(&p, A, size) {
+            Ok(b) => fill.push(b),
+            Err(_) => size /= 2,
+        }
+    }
+    drop(m);
+    p.trim(); // A is idle: `m`'s block goes back, a free chunk of 1 MiB.
+    for &s in &streams {
+        dev.enqueue(s);
+    }
+    drop(bufs);
+    p.trim(); // Every stream is busy: an event each.
+    assert_eq!(p.stats().pending_blocks, 8);
+    // The streams the next partial poll looks at last are done.
+    for &s in &streams[4..] {
+        dev.complete(s);
+    }
+    let syncs = dev.event_syncs();
+    let x = aligned(B).unwrap();
+    assert_eq!(
+        dev.event_syncs(),
+        syncs,
+        "no wait: four streams' blocks were done"
+    );
+    drop((x, p0, p2, fill));
+    p.check().unwrap();
+}

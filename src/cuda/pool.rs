@@ -337,7 +337,8 @@ fn thread_cache() -> usize {
     /// Turns among the shared caches, when every one is taken.
     static NEXT: Counter = Counter::new(0);
     /// The thread's cache (`usize::MAX`: none yet); from [`STREAM_CACHES`] on, a shared one
-    /// (`index + STREAM_CACHES`), which is not given back.
+    /// (`index + STREAM_CACHES`), which is not given back, and which the thread leaves for a cache
+    /// of its own once one is free.
     struct Held(Cell<usize>);
     impl Drop for Held {
         fn drop(&mut self) {
@@ -350,22 +351,36 @@ fn thread_cache() -> usize {
     std::thread_local! {
         static CACHE: Held = const { Held(Cell::new(usize::MAX)) };
     }
-    fn take() -> usize {
+    /// A cache no live thread holds, now taken, if there is one.
+    fn take_free() -> Option<usize> {
         let mut taken = TAKEN.load(Relaxed);
         while taken != u64::MAX {
             let i = (!taken).trailing_zeros() as usize;
             match TAKEN.compare_exchange_weak(taken, taken | 1 << i, Acquire, Relaxed) {
-                Ok(_) => return i,
+                Ok(_) => return Some(i),
                 Err(now) => taken = now,
             }
         }
-        STREAM_CACHES + NEXT.fetch_add(1, Relaxed) % STREAM_CACHES
+        None
     }
     // (0 while the thread's locals are being destroyed.)
     CACHE
         .try_with(|c| {
-            if c.0.get() == usize::MAX {
-                c.0.set(take());
+            let held = c.0.get();
+            if held == usize::MAX {
+                c.0.set(
+                    take_free().unwrap_or_else(|| {
+                        STREAM_CACHES + NEXT.fetch_add(1, Relaxed) % STREAM_CACHES
+                    }),
+                );
+            } else if held >= STREAM_CACHES && TAKEN.load(Relaxed) != u64::MAX {
+                // A shared cache, and a thread has given one back since: take it, so that up to
+                // `STREAM_CACHES` threads alive at once each have their own. (Buffers keep the
+                // cache they were counted in; blocks left in the shared one stay for its other
+                // threads, or a drain.)
+                if let Some(i) = take_free() {
+                    c.0.set(i);
+                }
             }
             c.0.get() % STREAM_CACHES
         })
@@ -1177,7 +1192,14 @@ impl<B: DeviceBackend> Shared<B> {
         // the engine has no free chunk for the request either, do the same for other streams'
         // open blocks that could serve it, rather than grow.
         closed |= st.close(sid);
-        let engine_full = st.bfc.largest_free_block() < bytes;
+        // (A free chunk serves the request for sure only with room for its alignment's padding
+        // too: one of `bytes` that is misaligned for it does not, and the engine would grow.)
+        let granule = self.config.granule;
+        let room = bytes
+            .max(1)
+            .checked_next_multiple_of(granule)
+            .and_then(|r| r.checked_add(align.max(granule) - granule));
+        let engine_full = room.is_none_or(|room| st.bfc.largest_free_block() < room);
         if engine_full {
             closed |= drain(&self.caches, &mut st, None);
             // Other threads' caches may have held this stream's blocks: they are its own, with no
@@ -1641,13 +1663,75 @@ mod tests {
 
     /// A thread's stream cache goes back when the thread exits: 200 threads in turn, each alive
     /// with this one, never share its cache (handed out in turn for good, the 64th would).
+    /// Serialises the tests that count the stream caches live threads hold (no other test of
+    /// this binary takes one).
+    static CACHES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     #[test]
     fn exited_threads_give_their_stream_caches_back() {
+        let _serial = CACHES
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let mine = thread_cache();
         for t in 0..200 {
             let theirs = std::thread::spawn(thread_cache).join().unwrap();
             assert_ne!(theirs, mine, "thread {t} shares this thread's stream cache");
         }
         assert_eq!(thread_cache(), mine, "a thread keeps its cache");
+    }
+
+    /// A thread that came while every cache was held, and so shares one, takes a cache of its own
+    /// once a thread gives one back: with 64 threads alive at once (this one, that thread and 62
+    /// fresh ones) no two share a cache, as the documentation says.
+    #[test]
+    fn exited_threads_caches_go_to_a_thread_that_shares_one() {
+        use std::sync::mpsc::channel;
+        use std::thread;
+        use std::vec::Vec;
+        let _serial = CACHES
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mine = thread_cache();
+        // A thread that takes its cache, says which, and holds it until told to exit.
+        let hold = || {
+            let (tx, rx) = channel();
+            let (go, wait) = channel::<()>();
+            let h = thread::spawn(move || {
+                tx.send(thread_cache()).unwrap();
+                let _ = wait.recv();
+            });
+            (rx.recv().unwrap(), go, h)
+        };
+        // Every cache held: this thread's and 63 others.
+        let holders: Vec<_> = (0..63).map(|_| hold()).collect();
+        // A thread that comes now shares one; it asks again once the holders have gone.
+        let (ask_tx, ask_rx) = channel::<()>();
+        let (ans_tx, ans_rx) = channel();
+        let late = thread::spawn(move || {
+            let _ = thread_cache();
+            while ask_rx.recv().is_ok() {
+                ans_tx.send(thread_cache()).unwrap();
+            }
+        });
+        for (_, go, h) in holders {
+            drop(go);
+            h.join().unwrap();
+        }
+        ask_tx.send(()).unwrap();
+        let late_cache = ans_rx.recv().unwrap();
+        // 62 fresh threads: with this one and the late one, 64 alive at once.
+        let fresh: Vec<_> = (0..62).map(|_| hold()).collect();
+        let mut caches: Vec<usize> = fresh.iter().map(|&(c, _, _)| c).collect();
+        caches.push(mine);
+        caches.push(late_cache);
+        caches.sort_unstable();
+        caches.dedup();
+        assert_eq!(caches.len(), 64, "64 threads alive share stream caches");
+        for (_, go, h) in fresh {
+            drop(go);
+            h.join().unwrap();
+        }
+        drop(ask_tx);
+        late.join().unwrap();
     }
 }
