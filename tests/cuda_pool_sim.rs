@@ -1913,30 +1913,36 @@ fn a_panic_while_waiting_for_an_event_keeps_the_blocks_pending() {
 
 /// A back end that panics in a buffer's free does not keep the pool alive: the buffer counts as
 /// gone, and when it was the last one the pool is dropped (returning its fully free regions).
+/// Whether it panics under the pool's lock (ordering the buffer's uses) or before the free chooses
+/// between the stream cache and the lock (comparing streams; found by a review).
 #[test]
 fn a_panic_in_the_last_free_still_lets_the_pool_go() {
-    let dev = SimDevice::new(GIB);
-    let p = counting_pool(&dev, 256 * MIB);
-    let s = Counted(PANICS_IN_FREE, Arc::new(()));
-    let a = Counted(A, Arc::new(()));
-    let x = counted_alloc(&p, &s, MIB);
-    let region_of_x = dev.bytes_live();
-    let y = counted_alloc(&p, &a, 40 * MIB);
-    drop(p);
-    drop(y);
-    assert!(
-        dev.bytes_live() > region_of_x,
-        "y's region is kept while x lives"
-    );
-    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(x)));
-    assert!(panicked.is_err());
-    // x's block is lost with the panic, so its region stays; the pool itself went, and y's region
-    // with it.
-    assert!(
-        dev.bytes_live() < 40 * MIB,
-        "{} bytes live: the pool was kept",
-        dev.bytes_live()
-    );
+    for comparing in [false, true] {
+        let dev = SimDevice::new(GIB);
+        let p = counting_pool(&dev, 256 * MIB);
+        let s = Counted(if comparing { A } else { PANICS_IN_FREE }, Arc::new(()));
+        let a = Counted(A, Arc::new(()));
+        let x = counted_alloc(&p, &s, MIB);
+        let region_of_x = dev.bytes_live();
+        let y = counted_alloc(&p, &a, 40 * MIB);
+        drop(p);
+        drop(y);
+        assert!(
+            dev.bytes_live() > region_of_x,
+            "y's region is kept while x lives"
+        );
+        PANIC_IN_SAME_STREAM.with(|f| f.set(comparing));
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(x)));
+        PANIC_IN_SAME_STREAM.with(|f| f.set(false));
+        assert!(panicked.is_err(), "comparing streams: {comparing}");
+        // x's block is lost with the panic, so its region stays; the pool itself went, and y's
+        // region with it.
+        assert!(
+            dev.bytes_live() < 40 * MIB,
+            "{} bytes live: the pool was kept (comparing streams: {comparing})",
+            dev.bytes_live()
+        );
+    }
 }
 
 /// A stream-cache hit through the handle whose clone the cached block's free left (the same
@@ -1972,36 +1978,6 @@ fn a_cache_hit_through_the_same_handle_keeps_the_cached_clone() {
     );
     drop(y);
     p.check().unwrap();
-}
-
-/// A back end that panics comparing streams in a buffer's free (before the free chooses between
-/// the stream cache and the pool's lock) does not keep the pool alive either: the buffer's count
-/// ends, and when it was the last one the pool is dropped. (Found by a review.)
-#[test]
-fn a_panic_comparing_streams_in_the_last_free_still_lets_the_pool_go() {
-    let dev = SimDevice::new(GIB);
-    let p = counting_pool(&dev, 256 * MIB);
-    let a = Counted(A, Arc::new(()));
-    let x = counted_alloc(&p, &a, MIB);
-    let region_of_x = dev.bytes_live();
-    let y = counted_alloc(&p, &a, 40 * MIB);
-    drop(p);
-    drop(y);
-    assert!(
-        dev.bytes_live() > region_of_x,
-        "y's region is kept while x lives"
-    );
-    PANIC_IN_SAME_STREAM.with(|f| f.set(true));
-    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(x)));
-    PANIC_IN_SAME_STREAM.with(|f| f.set(false));
-    assert!(panicked.is_err());
-    // x's block is lost with the panic, so its region stays; the pool itself went, and y's region
-    // with it.
-    assert!(
-        dev.bytes_live() < 40 * MIB,
-        "{} bytes live: the pool was kept",
-        dev.bytes_live()
-    );
 }
 
 /// A stream handle that panics when a stream-cache hit through another handle of the stream drops
