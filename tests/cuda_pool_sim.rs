@@ -38,12 +38,12 @@ const A: SimStream = SimStream(1);
 const B: SimStream = SimStream(2);
 const C: SimStream = SimStream(3);
 
-/// A stream with a cache of its own (see `SimBackend::same_stream`), like `C`.
+/// A stream that takes stream caches (see `SimBackend::same_stream`), like `C`.
 const D: SimStream = SimStream(4);
 
 /// Runs `body` with two streams that take the pool's lock for every call (`A` and `B`: the
-/// simulator gives streams 0 to 2 no stream cache), and again with two that have stream caches
-/// of their own (`C` and `D`): the stream model is the same on both paths.
+/// simulator gives streams 0 to 2 no stream cache), and again with two that take stream caches
+/// (`C` and `D`, in the calling thread's cache): the stream model is the same on both paths.
 fn on_both_paths(body: impl Fn(SimStream, SimStream)) {
     for (sa, sb) in [(A, B), (C, D)] {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(sa, sb)));
@@ -934,9 +934,11 @@ fn buffers_keep_the_pool_alive_together() {
 
 /// The last buffers of a pool whose handles are gone are freed on several threads at once: every
 /// free finishes with the pool (its lock, its state) before the pool can go, whichever free is the
-/// last, and the pool then returns everything to the driver. (With one reference shared by all the
-/// buffers instead of an `Arc` each, tried and reverted in 9331dd6, a free could still be inside the
-/// pool when another thread's free dropped it; Miri runs of this test did not hit that window.)
+/// last, and the pool then returns everything to the driver. (Buffers hold no reference of their
+/// own: a stream cache's one reference covers the buffers counted there, and a free ends its count
+/// only after its last use of the pool. The first such design, reverted in 9331dd6, let a free
+/// still be inside the pool when another thread's free dropped it; Miri runs of this test did not
+/// hit that window.)
 #[test]
 fn the_last_buffers_freed_at_once_on_several_threads_let_the_pool_go() {
     let rounds = if cfg!(miri) { 3 } else { 200 };
@@ -1082,7 +1084,7 @@ fn random_ops_never_hand_a_busy_block_to_another_stream() {
     // the operations (it is about 1000x slower), under a smaller limit so that they still run out.
     let limit = if cfg!(miri) { 16 * MIB } else { 40 * MIB };
     let p = pool(&dev, PoolOptions::with_limit(limit));
-    // Streams 1 and 2 on the pool's lock alone, 3 and 4 with stream caches of their own.
+    // Streams 1 and 2 on the pool's lock alone, 3 and 4 through the thread's stream cache.
     let streams = [SimStream(1), SimStream(2), SimStream(3), SimStream(4)];
     // Freed ranges whose stream's work may not have completed: (lo, hi, stream, last work item).
     let mut freed: Vec<(u64, u64, SimStream, u64)> = Vec::new();
@@ -1604,7 +1606,8 @@ fn a_miss_the_engine_can_serve_exactly_leaves_other_streams_open() {
     );
 }
 
-/// A free polls the pending events too: a batch whose event completed goes back on any free.
+/// A free polls the pending events too: a batch whose event completed goes back on a later free
+/// that takes the pool's lock (each polls up to 4 streams' queues, in turn).
 #[test]
 fn a_free_returns_the_batches_whose_event_completed() {
     let dev = SimDevice::new(GIB);
@@ -2794,8 +2797,8 @@ fn streams_sharing_a_cache_take_only_their_own_blocks() {
 /// own without the pool's lock: the second thread's first allocation does not get the first's
 /// cached block (it misses, on the lock), and once each freed one, each gets its own back while
 /// the main thread holds the pool's lock. A buffer freed by another thread goes back to the cache
-/// of the thread that allocated it. (Threads take caches in turn: they share one only if 63 other
-/// threads allocate in between.)
+/// of the thread that allocated it. (A thread takes a cache no live thread holds and gives it back
+/// when it exits: threads share one only while 64 live threads hold every cache.)
 #[test]
 fn threads_on_one_stream_keep_their_own_stream_caches() {
     use std::sync::mpsc::{channel, Receiver, Sender};
@@ -3004,7 +3007,7 @@ fn a_stream_whose_cache_holds_other_sizes_gets_its_cache_back() {
     drop(alloc(&p, C, 4096).unwrap());
     // Served from the cache: no pool lock, which the closure holds (taking it would panic).
     let hit = p.inspect_backend(|_| alloc(&p, C, 4096).unwrap());
-    // The 1 MiB blocks still serve the stream (from its queue, where the miss closed them).
+    // The 1 MiB blocks still serve the stream (from its queue, where that allocation moved them).
     let requests = dev.requests().len();
     let again: Vec<_> = (0..16).map(|_| alloc(&p, C, MIB).unwrap()).collect();
     assert_eq!(p.stats().pending_blocks, 0);
@@ -3013,10 +3016,49 @@ fn a_stream_whose_cache_holds_other_sizes_gets_its_cache_back() {
     p.check().unwrap();
 }
 
+/// A thread that moves on to another stream gets its cache back: a free that finds the cache full
+/// puts its block in the place of the oldest, which goes to its stream's queue, so the new
+/// stream's allocations are served from the cache, without the pool's lock, from the next one on.
+/// (Without that, the cache stayed full of the old stream's blocks until a trim or a full engine,
+/// and every allocation and free on the new stream took the pool's lock; so did those of a thread
+/// that took the cache of one that had exited.)
+#[test]
+fn a_full_cache_keeps_the_newest_blocks() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    dev.enqueue(C);
+    let old: Vec<_> = (0..16).map(|_| alloc(&p, C, 4096).unwrap()).collect();
+    drop(old);
+    assert_eq!(p.stats().pending_blocks, 16, "C's blocks fill the cache");
+    // A new block on the lock; its free finds the cache full of C's blocks, and takes the place
+    // of the oldest.
+    drop(alloc(&p, D, 4096).unwrap());
+    // Served from the cache, and freed into it: no pool lock, which the closure holds (taking it
+    // would panic).
+    for _ in 0..3 {
+        p.inspect_backend(|_| drop(alloc(&p, D, 4096).unwrap()));
+    }
+    assert_eq!(p.stats().pending_blocks, 17);
+    // C's blocks still serve C (from the cache, and the oldest from its queue), open: C is still
+    // busy.
+    let requests = dev.requests().len();
+    let again: Vec<_> = (0..16).map(|_| alloc(&p, C, 4096).unwrap()).collect();
+    assert_eq!(dev.requests().len(), requests, "no new region");
+    assert_eq!(
+        p.stats().pending_blocks,
+        1,
+        "only D's block is left pending"
+    );
+    assert_eq!(dev.recorded(C), 0, "no event: C's blocks stayed its own");
+    drop(again);
+    p.check().unwrap();
+}
+
 /// The pool lives while it has a handle or a buffer, and goes with the last of them, whichever
-/// that is: a buffer is counted in its stream's cache, which holds the pool for it. Also after the
-/// handles went and a buffer gave out a new one, which allocates on another stream; and after
-/// allocations and frees that leave a cache with no buffer (and the pool's reference).
+/// that is: a buffer is counted in the cache of the thread that allocated it, which holds the pool
+/// for it. Also after the handles went and a buffer gave out a new one, which allocates on another
+/// stream; and after allocations and frees that leave a cache with no buffer (and the pool's
+/// reference).
 #[test]
 fn the_pool_goes_with_its_last_handle_or_buffer() {
     on_both_paths(|sa, sb| {
@@ -3076,7 +3118,7 @@ fn the_last_buffer_and_the_last_handle_dropped_at_once() {
 }
 
 /// An allocation that fails only for its alignment (the engine's largest free chunk is large
-/// enough) still waits for the blocks in other streams' caches before it reports out of memory.
+/// enough) still waits for the blocks in stream caches before it reports out of memory.
 #[test]
 fn out_of_memory_for_alignment_waits_for_cached_blocks() {
     on_both_paths(|sa, sb| {

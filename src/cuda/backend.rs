@@ -62,7 +62,8 @@ impl std::error::Error for BackendError {}
 ///   answer for a stream does not change while the pool holds a handle of it (a cache hit relies
 ///   on the check made when the cached block was allocated); and
 ///   [`uses_none`](Self::uses_none) only when [`finish_uses`](Self::finish_uses) would have
-///   nothing to order: the pool then skips `check_stream` and `finish_uses`;
+///   nothing to order: the pool then skips `finish_uses` for a free that goes to a stream cache
+///   (a cache hit skips `check_stream` on the strength of `same_stream`);
 /// - [`same_handle`](Self::same_handle) says `true` only of two clones of one handle, so that
 ///   keeping either and dropping the other are the same;
 /// - [`record_event`](Self::record_event) marks everything queued on its stream so far;

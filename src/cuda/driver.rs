@@ -223,8 +223,8 @@ unsafe impl DeviceBackend for CudaBackend {
     }
 
     fn event_done(&mut self, event: &CudaEvent) -> Result<bool, BackendError> {
-        // The pool polls events first in every allocation and free, possibly on a thread with no
-        // (or another) context current: `cuEventQuery` lists CUDA_ERROR_INVALID_CONTEXT.
+        // The pool polls events in every allocation and free that takes its lock, possibly on a
+        // thread with no (or another) context current: `cuEventQuery` lists CUDA_ERROR_INVALID_CONTEXT.
         bind(&self.ctx)?;
         // SAFETY: the event is alive.
         match unsafe { result::event::query(event.cu_event()) } {

@@ -21,8 +21,10 @@
 //! it. The pool therefore does not return the block to the engine at once:
 //!
 //! 1. On drop, the block goes to a *pending list*, tagged with its stream A and no event (*open*).
-//!    The drop itself records no event (it makes driver calls only to order uses on other streams,
-//!    to poll pending events, or to close A's blocks, see 3).
+//!    As a rule the drop records no event. Its driver calls, if any, order the buffer's uses on
+//!    other streams (an event on A marks them), poll pending events, or close A's open blocks,
+//!    this one included, once more than [`OPEN_LIMIT`] pile up (see 3: one event for all of them
+//!    if A is busy).
 //! 2. An allocation on the same stream A may take a fitting pending block of A immediately: its work
 //!    is queued before anything the new owner queues on A, so stream order protects it.
 //!
@@ -35,9 +37,15 @@
 //!    through a handle of the same stream and context: the null and legacy handles are the same
 //!    in every context), without the pool's lock, so threads allocating at once, on their own
 //!    streams or on one, do not wait for each other. What does not fit in the cache, and every
-//!    free of a buffer used on another stream, takes the pool's lock as before; such an
-//!    allocation first moves the stream's blocks in the thread's cache to its queue (so a cache
-//!    left full of sizes the thread no longer asks for is emptied). What below closes a stream's
+//!    free of a buffer used on another stream, takes the pool's lock as before. An allocation on
+//!    the lock first moves the stream's blocks in the thread's cache to its queue (so a cache
+//!    left full of sizes the thread no longer asks for is emptied), and if the engine has no free
+//!    chunk for it, the blocks in every thread's cache: it then takes a fitting block of its own
+//!    stream from there without an event or a wait. A free that finds the cache full (under the
+//!    pool's lock) puts its block in the place of the cache's oldest, which goes to its stream's
+//!    queue: a cache keeps the newest frees, so a thread that moved on to another stream, or took
+//!    the cache of a thread that exited, is not left with a cache full of blocks it will not ask
+//!    for. What below closes a stream's
 //!    open blocks for other streams (3, 5), and the statistics, include those in every cache; the
 //!    stream's own miss closes those in its queue and its thread's cache, and [`OPEN_LIMIT`]
 //!    counts those in its queue (so a stream used by many threads may hold up to 16 more open
@@ -56,7 +64,7 @@
 //!    later than the free covers all the work queued before it, so this only delays the release.
 //! 4. A closed block goes back to the engine, for every stream, once its event has completed.
 //!    Pending events are polled on every allocation and free that takes the pool's lock: the
-//!    oldest unfinished event of up to 4 streams, in turn (a stream's events complete in order),
+//!    oldest unfinished event of up to 4 streams per poll, in turn (a stream's events complete in order),
 //!    so that a thousand busy streams do not cost every call a thousand queries; an allocation
 //!    that no free chunk can serve, and a trim, poll every stream's.
 //! 5. Before reporting out-of-memory, the pool waits for every pending block's work, returns them

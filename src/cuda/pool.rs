@@ -54,9 +54,10 @@ const KEPT_QUEUES: usize = 16;
 /// its lock instead of the pool's. Fewer under loom, to keep its models small.
 const STREAM_CACHES: usize = if cfg!(loom) { 2 } else { 64 };
 
-/// Blocks a stream cache holds at most (of all its streams); a free that finds it full goes to the
-/// stream's queue under the pool's lock.
-const STREAM_CACHE_BLOCKS: usize = 16;
+/// Blocks a stream cache holds at most (of all its streams); a free that finds it full puts its
+/// block in the place of the oldest, which goes to its stream's queue under the pool's lock. One
+/// under loom, so that its models (two threads sharing a cache) make frees find the cache full.
+const STREAM_CACHE_BLOCKS: usize = if cfg!(loom) { 1 } else { 16 };
 
 /// Batch queues with room for more than this many batches are not kept for reuse.
 const SPARE_BATCHES_CAPACITY: usize = 16;
@@ -577,7 +578,7 @@ pub(crate) struct Shared<B: DeviceBackend> {
     /// a lock of its own (see [`StreamCache`]).
     caches: Caches<B>,
     /// [`DevicePool`] handles (buffers are counted in the stream caches), on a cache line of its
-    /// own, which only a handle's clone and drop write.
+    /// own, which only a handle's creation (a clone, or [`DeviceBuffer::pool`]) and drop write.
     handles: Padded<AtomicUsize>,
     /// The thread running an `inspect_backend` / `with_backend_mut` closure, which holds the lock
     /// (0: none): a call into the pool from inside the closure (a buffer dropped there, say) would
@@ -1285,6 +1286,8 @@ impl<B: DeviceBackend> Shared<B> {
         // below, loses the block, not the pool).
         let count_end = CountEnd { cache, handles };
         let sid = B::stream_id(&stream);
+        // The cache the block would have gone to, had it had room.
+        let mut full_cache = None;
         let stream = if B::same_stream(&stream, &stream) && B::uses_none(uses) {
             let cached = {
                 let mut c = cache.lock().unwrap_or_else(PoisonError::into_inner);
@@ -1308,18 +1311,33 @@ impl<B: DeviceBackend> Shared<B> {
                     drop(kept);
                     return;
                 }
-                Err(stream) => stream,
+                Err(stream) => {
+                    full_cache = Some(index);
+                    stream
+                }
             }
         } else {
             stream
         };
         // SAFETY: as above, the buffer is still counted.
-        unsafe { this.as_ref() }.free_locked(sid, ptr, size, stream, uses);
+        unsafe { this.as_ref() }.free_locked(full_cache, sid, ptr, size, stream, uses);
     }
 
-    /// [`free_block`](Self::free_block) past its stream cache, under the pool's lock (the buffer is
-    /// still counted).
-    fn free_locked(&self, sid: u64, ptr: u64, size: usize, stream: B::Stream, uses: &B::Uses) {
+    /// [`free_block`](Self::free_block) past its stream cache, under the pool's lock (the buffer
+    /// is still counted). With `full_cache` (the stream cache the block was for, which had no
+    /// room), the block takes the place of the cache's oldest, which goes to its stream's queue
+    /// instead: a cache keeps the most recent frees, so a thread that moved on to another stream,
+    /// or took the cache of a thread that exited, does not find it full of blocks it will not ask
+    /// for, with every free and every allocation of its stream on the pool's lock from then on.
+    fn free_locked(
+        &self,
+        full_cache: Option<usize>,
+        sid: u64,
+        ptr: u64,
+        size: usize,
+        stream: B::Stream,
+        uses: &B::Uses,
+    ) {
         let mut st = self.lock();
         match st.backend().finish_uses(&stream, uses) {
             Ok(()) => {}
@@ -1340,9 +1358,32 @@ impl<B: DeviceBackend> Shared<B> {
                 return;
             }
         }
+        let (sid, ptr, size, stream) = match full_cache {
+            Some(index) => {
+                let mut c = self
+                    .cache(index)
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                let block = Cached {
+                    sid,
+                    ptr: ptr as usize,
+                    size,
+                    stream,
+                };
+                if c.blocks.len() < STREAM_CACHE_BLOCKS {
+                    // (It had room again.)
+                    c.blocks.push(block);
+                    return;
+                }
+                let old = c.blocks.remove(0);
+                c.blocks.push(block);
+                (old.sid, old.ptr, old.size, old.stream)
+            }
+            None => (sid, ptr as usize, size, stream),
+        };
         // No event yet: the stream itself may reuse the block at once, and an event is recorded
         // for a batch of open blocks only when another stream may want them (see `Order::Open`).
-        let (open, unkept) = st.push_open(stream, ptr as usize, size);
+        let (open, unkept) = st.push_open(stream, ptr, size);
         if open > OPEN_LIMIT {
             st.close(sid);
         }

@@ -425,7 +425,7 @@ impl SimDevice {
     /// Makes ordering a freed buffer's uses on other streams fail (`cuStreamWaitEvent`), also for a
     /// buffer with no such use, on streams 0 to 2. (On other streams, which take stream caches,
     /// the pool does not call `finish_uses` for a buffer with no use on another stream unless
-    /// the stream's cache is full: see [`DeviceBackend::uses_none`].)
+    /// the allocating thread's stream cache is full: see [`DeviceBackend::uses_none`].)
     pub fn set_fail_finish_uses(&self, fail: bool) {
         self.lock().fail_finish_uses = fail;
     }

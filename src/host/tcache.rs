@@ -36,7 +36,10 @@
 //! `release_free_memory`) if the slab layer has not handed it out again by then (it may have when
 //! the first free already went back to the slab layer); until then the block may be handed out
 //! twice, as with jemalloc's and tcmalloc's thread caches. Debug builds also check a free's layout
-//! against its span's class before the block joins a stack (see [`ThreadCache::plausible`]).
+//! against its span's class before the block joins a stack (see [`ThreadCache::plausible`]);
+//! without that check, a large block freed with a small layout joins the stack when its start
+//! falls on an object start of the class (any block on a 64 KiB boundary does), and the check
+//! when it leaves the cache aborts.
 //!
 //! **Binding.** A cache serves one allocator instance: the first one that allocates or frees a small
 //! block on the thread, identified by a process-unique id (never an address, which a dropped
