@@ -697,6 +697,9 @@ fn open_blocks_are_closed_by_one_event_per_batch() {
     p.check().unwrap();
 }
 
+/// On the lock, a miss closes the stream's open blocks; in a stream cache, a block the miss
+/// cannot use stays for the stream's next requests, until newer frees take its place, a full
+/// engine, or a trim (here).
 #[test]
 fn same_stream_reuse_does_not_hand_out_a_much_larger_block_and_the_miss_returns_it() {
     on_both_paths(|sa, sb| {
@@ -706,13 +709,18 @@ fn same_stream_reuse_does_not_hand_out_a_much_larger_block_and_the_miss_returns_
         let addr = big.device_address();
         dev.enqueue(sa);
         drop(big);
-        // Too big to hand out whole for 1 KiB: a miss, which records sa's event.
+        // Too big to hand out whole for 1 KiB: a miss, which records sa's event (on the lock).
         let small = alloc(&p, sa, 1024).unwrap();
         assert_ne!(small.device_address(), addr);
         assert_eq!(small.block_size(), 1024);
-        assert_eq!(dev.recorded(sa), 1);
+        let cached = sa == C;
+        assert_eq!(dev.recorded(sa), u64::from(!cached));
         assert_eq!(p.stats().pending_blocks, 1);
         dev.complete(sa);
+        if cached {
+            // (The stream is idle: straight back, with no event.)
+            p.trim();
+        }
         // The next allocation polls, the block joins the engine, and the engine splits it.
         let again = alloc(&p, sb, 2048).unwrap();
         let s = p.stats();
@@ -2987,12 +2995,11 @@ fn a_full_stream_cache_sends_frees_to_the_queue() {
     p.check().unwrap();
 }
 
-/// A stream whose cache is full of blocks of a size it no longer asks for gets its cache back:
-/// its next allocation on the pool's lock (here served from its queue) moves those blocks to its
-/// queue, so the blocks it frees from then on are cached, and its allocations served without the
-/// pool's lock. (Without that, the
-/// default stream of a program that had freed 16 large buffers took the pool's lock for every
-/// allocation and every free from then on.)
+/// A stream whose cache is full of blocks of a size it no longer asks for gets its cache back: its
+/// next free takes the place of the oldest (which goes to its queue), so its allocations of the
+/// new size are served from the cache again, and the old blocks still serve the stream. (Without
+/// that, the default stream of a program that had freed 16 large buffers took the pool's lock for
+/// every allocation and every free from then on.)
 #[test]
 fn a_stream_whose_cache_holds_other_sizes_gets_its_cache_back() {
     let dev = SimDevice::new(GIB);
@@ -3001,19 +3008,78 @@ fn a_stream_whose_cache_holds_other_sizes_gets_its_cache_back() {
     let large: Vec<_> = (0..16).map(|_| alloc(&p, C, MIB).unwrap()).collect();
     let small = alloc(&p, C, 4096).unwrap();
     drop(large);
-    drop(small); // The cache is full: to the queue.
+    assert_eq!(
+        p.stats().pending_blocks,
+        16,
+        "the large blocks fill the cache"
+    );
+    drop(small); // In the place of the oldest large block, which goes to the queue.
     assert_eq!(p.stats().pending_blocks, 17);
-    // None of the cached blocks serves 4 KiB whole: the block in the queue does; then its free.
-    drop(alloc(&p, C, 4096).unwrap());
-    // Served from the cache: no pool lock, which the closure holds (taking it would panic).
-    let hit = p.inspect_backend(|_| alloc(&p, C, 4096).unwrap());
-    // The 1 MiB blocks still serve the stream (from its queue, where that allocation moved them).
+    // Served from the cache, and freed into it: no pool lock, which the closure holds (taking it
+    // would panic).
+    for _ in 0..3 {
+        p.inspect_backend(|_| drop(alloc(&p, C, 4096).unwrap()));
+    }
+    // The 1 MiB blocks still serve the stream (15 from the cache, one from its queue).
     let requests = dev.requests().len();
     let again: Vec<_> = (0..16).map(|_| alloc(&p, C, MIB).unwrap()).collect();
-    assert_eq!(p.stats().pending_blocks, 0);
+    assert_eq!(p.stats().pending_blocks, 1, "the small block is left");
     assert_eq!(dev.requests().len(), requests, "no new region");
-    drop((hit, again));
+    assert_eq!(
+        dev.recorded(C),
+        0,
+        "no event: the blocks stayed the stream's own"
+    );
+    drop(again);
     p.check().unwrap();
+}
+
+/// A stream that allocates the same working set of more than 16 buffers every round, one of them
+/// of a size of its own, takes the pool's lock for one allocation per round, whether it frees the
+/// set in allocation order (a `Vec` of buffers dropped at once) or in reverse (locals): the cache
+/// keeps the newest 16 frees, and an allocation that misses it leaves it alone. (With a miss that
+/// moved the stream's cached blocks to its queue, as before, the first of those orders sent every
+/// allocation of a round to the lock; with frees into a full cache going to the queue, the
+/// second did.)
+#[test]
+fn a_working_set_freed_in_either_order_takes_the_lock_once_per_round() {
+    for reverse in [false, true] {
+        let dev = SimDevice::new(GIB);
+        let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+        dev.enqueue(C);
+        let sizes: Vec<usize> = std::iter::once(MIB).chain([4096; 16]).collect();
+        let free = |mut set: Vec<DeviceBuffer<u8, SimBackend>>| {
+            if reverse {
+                set.reverse();
+            }
+            drop(set);
+        };
+        for _ in 0..2 {
+            free(sizes.iter().map(|&n| alloc(&p, C, n).unwrap()).collect());
+        }
+        // Each allocation first inside a closure that holds the pool's lock: one that needs the
+        // lock panics there (and is made again outside).
+        let mut on_lock = 0;
+        let set: Vec<_> = sizes
+            .iter()
+            .map(|&n| {
+                let hit = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    p.inspect_backend(|_| alloc(&p, C, n).unwrap())
+                }));
+                hit.unwrap_or_else(|_| {
+                    on_lock += 1;
+                    alloc(&p, C, n).unwrap()
+                })
+            })
+            .collect();
+        assert_eq!(
+            on_lock, 1,
+            "allocations on the pool's lock (reverse order: {reverse})"
+        );
+        assert_eq!(p.stats().pending_blocks, 0);
+        free(set);
+        p.check().unwrap();
+    }
 }
 
 /// A thread that moves on to another stream gets its cache back: a free that finds the cache full

@@ -37,17 +37,16 @@
 //!    through a handle of the same stream and context: the null and legacy handles are the same
 //!    in every context), without the pool's lock, so threads allocating at once, on their own
 //!    streams or on one, do not wait for each other. What does not fit in the cache, and every
-//!    free of a buffer used on another stream, takes the pool's lock as before. An allocation on
-//!    the lock first moves the stream's blocks in the thread's cache to its queue (so a cache
-//!    left full of sizes the thread no longer asks for is emptied), and if the engine has no free
-//!    chunk for it, the blocks in every thread's cache: it then takes a fitting block of its own
-//!    stream from there without an event or a wait. A free that finds the cache full (under the
-//!    pool's lock) puts its block in the place of the cache's oldest, which goes to its stream's
-//!    queue: a cache keeps the newest frees, so a thread that moved on to another stream, or took
-//!    the cache of a thread that exited, is not left with a cache full of blocks it will not ask
-//!    for. What below closes a stream's
+//!    free of a buffer used on another stream, takes the pool's lock as before. A free that finds
+//!    the cache full (under the pool's lock) puts its block in the place of the cache's oldest,
+//!    which goes to its stream's queue: a cache keeps the newest frees, so a thread that moved on
+//!    to another stream or to other sizes, or took the cache of a thread that exited, is not left
+//!    with a cache full of blocks it will not ask for. An allocation on the lock leaves the
+//!    thread's cache alone (none of its blocks fits), unless the engine has no free chunk for it:
+//!    then it moves the blocks in every thread's cache to their queues, and takes a fitting block
+//!    of its own stream from there without an event or a wait. What below closes a stream's
 //!    open blocks for other streams (3, 5), and the statistics, include those in every cache; the
-//!    stream's own miss closes those in its queue and its thread's cache, and [`OPEN_LIMIT`]
+//!    stream's own miss closes those in its queue, and [`OPEN_LIMIT`]
 //!    counts those in its queue (so a stream used by many threads may hold up to 16 more open
 //!    blocks in each of their caches). A
 //!    buffer is counted in its thread's cache, which holds the pool for it while it counts any

@@ -437,29 +437,17 @@ fn best_fit<K>(
     best.map(|(key, _)| key)
 }
 
-/// Moves the cached blocks of stream `sid` in cache `index` (`only`; every block of every cache:
-/// `None`) in `caches` to their streams' queues in `st` as open blocks, oldest first, then closes
-/// the streams left with more than [`OPEN_LIMIT`] open blocks, as a free into the queue would.
-/// Returns whether it closed any. The caller holds the pool's lock (`st`).
-fn drain<B: DeviceBackend>(
-    caches: &Caches<B>,
-    st: &mut State<B>,
-    only: Option<(usize, u64)>,
-) -> bool {
-    let (caches, only) = match only {
-        Some((index, sid)) => (core::slice::from_ref(&caches[index]), Some(sid)),
-        None => (&caches[..], None),
-    };
+/// Moves every cached block in `caches` to its stream's queue in `st` as an open block, oldest
+/// first, then closes the streams left with more than [`OPEN_LIMIT`] open blocks, as a free into
+/// the queue would. Returns whether it closed any. The caller holds the pool's lock (`st`).
+fn drain<B: DeviceBackend>(caches: &Caches<B>, st: &mut State<B>) -> bool {
     let mut over = false;
     for cache in caches {
         let mut c = cache.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut i = 0;
-        while i < c.blocks.len() {
-            if only.is_some_and(|sid| c.blocks[i].sid != sid) {
-                i += 1;
-                continue;
-            }
-            let b = c.blocks.remove(i);
+        // (One at a time, oldest first: the cache keeps its capacity, and a panic in the back end
+        // leaves the blocks not yet moved where they are.)
+        while !c.blocks.is_empty() {
+            let b = c.blocks.remove(0);
             let (open, unkept) = st.push_open(b.stream, b.ptr, b.size);
             over |= open > OPEN_LIMIT;
             // Not the stream's last owning handle: the cached block's stream was accepted, and
@@ -1158,7 +1146,7 @@ impl<B: DeviceBackend> Shared<B> {
             }
             None => {
                 let handle = stream.clone();
-                let (p, size) = this.alloc_locked(stream, sid, index, bytes, align)?;
+                let (p, size) = this.alloc_locked(stream, sid, bytes, align)?;
                 (p, size, handle)
             }
         };
@@ -1166,25 +1154,21 @@ impl<B: DeviceBackend> Shared<B> {
         Ok((p, size, handle, PoolRef::counted(this, index)))
     }
 
-    /// [`alloc_block`](Self::alloc_block) past the calling thread's stream cache (`index`), under
-    /// the pool's lock.
+    /// [`alloc_block`](Self::alloc_block) past the calling thread's stream cache, under the pool's
+    /// lock. (None of the stream's blocks in that cache serves the request: they stay there for
+    /// the requests they fit. A cache full of sizes the thread no longer asks for empties as its
+    /// frees take their places, see [`free_locked`](Self::free_locked).)
     fn alloc_locked(
         &self,
         stream: &B::Stream,
         sid: u64,
-        index: usize,
         bytes: usize,
         align: usize,
     ) -> Result<(u64, usize), PoolError> {
         let mut st = self.lock();
         st.backend().check_stream(stream)?;
         st.poll_pending();
-        // None of the stream's blocks in this thread's cache served the request: move them to its
-        // queue, so that the pick below is among all those open blocks, and the cache has room for
-        // the next frees (a cache left full of sizes the thread no longer asks for would send each
-        // of its frees to the queue, and each of its allocations here).
-        let mut closed =
-            B::same_stream(stream, stream) && drain(&self.caches, &mut st, Some((index, sid)));
+        let mut closed = false;
         if let Some((p, size)) = st.take_pending(sid, bytes, align) {
             st.reuses += 1;
             return Ok((p as u64, size));
@@ -1202,7 +1186,7 @@ impl<B: DeviceBackend> Shared<B> {
             .and_then(|r| r.checked_add(align.max(granule) - granule));
         let engine_full = room.is_none_or(|room| st.bfc.largest_free_block() < room);
         if engine_full {
-            closed |= drain(&self.caches, &mut st, None);
+            closed |= drain(&self.caches, &mut st);
             // Other threads' caches may have held this stream's blocks: they are its own, with no
             // wait.
             if let Some((p, size)) = st.take_pending(sid, bytes, align) {
@@ -1220,7 +1204,7 @@ impl<B: DeviceBackend> Shared<B> {
         let r = st.allocate(bytes, align);
         if matches!(r, Err(AllocError::OutOfMemory(_))) {
             // (Out of memory is rare: other streams' cached blocks join the wait below.)
-            drain(&self.caches, &mut st, None);
+            drain(&self.caches, &mut st);
         }
         let r = match r {
             // (With nothing pending, nothing can come back: the driver was asked already.)
@@ -1406,7 +1390,7 @@ impl<B: DeviceBackend> Drop for Shared<B> {
             .0
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner);
-        drain(&self.caches, st, None);
+        drain(&self.caches, st);
         st.flush_pending();
         st.bfc.release_free_regions();
     }
@@ -1602,7 +1586,7 @@ impl<B: DeviceBackend> DevicePool<B> {
     /// `empty_cache`). Returns the bytes given back. [`synchronize`](Self::synchronize) waits.
     pub fn trim(&self) -> usize {
         let mut st = self.shared.lock();
-        drain(&self.shared.caches, &mut st, None);
+        drain(&self.shared.caches, &mut st);
         st.close_all();
         st.poll_all();
         st.drop_empty_queues();
@@ -1620,7 +1604,7 @@ impl<B: DeviceBackend> DevicePool<B> {
     /// Returns the bytes given back to the driver.
     pub fn synchronize(&self) -> usize {
         let mut st = self.shared.lock();
-        drain(&self.shared.caches, &mut st, None);
+        drain(&self.shared.caches, &mut st);
         st.flush_pending();
         let n = st.bfc.release_free_regions();
         st.collect_source_errors();
