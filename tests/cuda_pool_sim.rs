@@ -3809,3 +3809,71 @@ fn an_allocation_no_free_chunk_can_align_polls_every_stream() {
     drop((x, p0, p2, fill));
     p.check().unwrap();
 }
+
+/// A stream's own cached blocks serve its larger request once they are back in the engine, rather
+/// than the pool growing: a miss that finds no free chunk empties the caches into the queues, and
+/// the stream's own blocks there (open, of an idle stream) go back to the engine at once, as they
+/// did when a miss moved them to the queue first.
+#[test]
+fn a_miss_on_a_full_engine_reuses_its_own_streams_cached_blocks_before_growing() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    // Two 1 MiB blocks fill the first region; freed into the cache, they make the 2 MiB that the
+    // next request needs.
+    drop((alloc(&p, C, MIB).unwrap(), alloc(&p, C, MIB).unwrap()));
+    assert_eq!(dev.requests(), vec![2 * MIB]);
+    assert_eq!(p.stats().pending_blocks, 2, "in the cache");
+    let x = alloc(&p, C, 2 * MIB).unwrap();
+    assert_eq!(dev.requests(), vec![2 * MIB], "the pool grew");
+    assert_eq!(p.stats().pending_blocks, 0);
+    drop(x);
+    p.check().unwrap();
+}
+
+/// The same at the pool's limit: the stream's own cached blocks serve it without the
+/// out-of-memory wait for every pending free (here, for another stream's unfinished work).
+#[test]
+fn a_miss_at_the_limit_reuses_its_own_streams_cached_blocks_without_a_wait() {
+    let dev = SimDevice::new(GIB);
+    let options = PoolOptions {
+        allow_growth: false,
+        ..PoolOptions::with_limit(4 * MIB)
+    };
+    let p = pool(&dev, options);
+    let (a, b) = (alloc(&p, C, MIB).unwrap(), alloc(&p, C, MIB).unwrap());
+    let y = alloc(&p, D, 2 * MIB).unwrap();
+    dev.enqueue(D); // a kernel using `y`: D stays busy
+    drop(y);
+    drop((a, b)); // Into the cache, with D's block.
+    let x = alloc(&p, C, 2 * MIB).unwrap();
+    assert_eq!(
+        (dev.event_syncs(), dev.device_syncs(), dev.completed(D)),
+        (0, 0, 0),
+        "waited for D's work"
+    );
+    drop(x);
+    p.synchronize();
+    p.check().unwrap();
+}
+
+/// Another stream's cached blocks that its thread no longer asks for serve a larger request once
+/// back in the engine, rather than the pool growing: C frees two 1 MiB blocks (into the cache) and
+/// goes on with a smaller request, which the engine serves; D then wants 2 MiB, which only those
+/// two blocks together can give (C is idle). (When C's miss moved its cached blocks to its queue,
+/// it closed them, and they were back in the engine by then.)
+#[test]
+fn another_streams_stale_cached_blocks_serve_a_miss_before_the_pool_grows() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    let (a, b) = (alloc(&p, C, MIB).unwrap(), alloc(&p, C, MIB).unwrap());
+    // The second region: 1 MiB of it left free.
+    let c = (alloc(&p, C, 2 * MIB).unwrap(), alloc(&p, C, MIB).unwrap());
+    assert_eq!(dev.requests(), vec![2 * MIB, 4 * MIB]);
+    drop((a, b)); // Into the cache.
+    let small = alloc(&p, C, 4096).unwrap(); // A miss the engine serves, from the second region.
+    assert_eq!(dev.requests(), vec![2 * MIB, 4 * MIB]);
+    let x = alloc(&p, D, 2 * MIB).unwrap();
+    assert_eq!(dev.requests(), vec![2 * MIB, 4 * MIB], "the pool grew");
+    drop((c, small, x));
+    p.check().unwrap();
+}

@@ -41,24 +41,26 @@
 //!    the cache full (under the pool's lock) puts its block in the place of the cache's oldest,
 //!    which goes to its stream's queue: a cache keeps the newest frees, so a thread that moved on
 //!    to another stream or to other sizes, or took the cache of a thread that exited, is not left
-//!    with a cache full of blocks it will not ask for. An allocation on the lock leaves the
-//!    thread's cache alone (none of its blocks fits), unless the engine has no free chunk for it:
-//!    then it moves the blocks in every thread's cache to their queues, and takes a fitting block
-//!    of its own stream from there without an event or a wait. What below closes a stream's
-//!    open blocks for other streams (3, 5), and the statistics, include those in every cache; the
-//!    stream's own miss closes those in its queue, and [`OPEN_LIMIT`]
-//!    counts those in its queue (so a stream used by many threads may hold up to 16 more open
-//!    blocks in each of their caches). A
-//!    buffer is counted in its thread's cache, which holds the pool for it while it counts any
-//!    (the pool goes with the last of its handles and buffers), and a hit through a clone of the
-//!    handle its block was freed on keeps that clone, so a hit and its free write no counter that
-//!    several threads share.
+//!    with a cache full of blocks it will not ask for. (The price: a thread that cycles through
+//!    more than 16 blocks of different streams or sizes, one at a time, finds each gone from its
+//!    cache when it asks for it again, and takes the pool's lock.) An allocation on the lock
+//!    leaves the thread's cache alone (none of its blocks fits), unless the engine has no free
+//!    chunk for it: then it moves the blocks in every thread's cache to their queues, takes a
+//!    fitting block of its own stream from there without an event or a wait, and closes the
+//!    streams of the blocks it moved (3). What below closes a stream's open blocks for other
+//!    streams (3, 5), and the statistics, include those in every cache; the stream's own miss
+//!    closes those in its queue, and [`OPEN_LIMIT`] counts those in its queue (so a stream used by
+//!    many threads may hold up to 16 more open blocks in each of their caches). A buffer is
+//!    counted in its thread's cache, which holds the pool for it while it counts any (the pool
+//!    goes with the last of its handles and buffers), and a hit through a clone of the handle its
+//!    block was freed on keeps that clone, so a hit and its free write no counter that several
+//!    threads share.
 //! 3. A's open blocks (and those whose event could not be recorded) are *closed* together: if A is
 //!    idle (all its queued work has finished), every pending block of A goes straight back to the
 //!    engine; otherwise one event is recorded on A for all of them. This
 //!    happens when A misses (none of its pending blocks fits a request), when another stream misses,
-//!    the engine has no free chunk for it and one of A's open blocks is large enough, when A has
-//!    more than [`OPEN_LIMIT`] open blocks, and on [`trim`](DevicePool::trim),
+//!    the engine has no free chunk for it and one of A's open blocks is large enough (or some
+//!    came out of a stream cache for that miss), when A has more than [`OPEN_LIMIT`] open blocks, and on [`trim`](DevicePool::trim),
 //!    [`synchronize`](DevicePool::synchronize), out-of-memory and the pool's drop. An event recorded
 //!    later than the free covers all the work queued before it, so this only delays the release.
 //! 4. A closed block goes back to the engine, for every stream, once its event has completed.

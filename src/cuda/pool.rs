@@ -439,8 +439,13 @@ fn best_fit<K>(
 
 /// Moves every cached block in `caches` to its stream's queue in `st` as an open block, oldest
 /// first, then closes the streams left with more than [`OPEN_LIMIT`] open blocks, as a free into
-/// the queue would. Returns whether it closed any. The caller holds the pool's lock (`st`).
-fn drain<B: DeviceBackend>(caches: &Caches<B>, st: &mut State<B>) -> bool {
+/// the queue would. Returns whether it closed any. With `moved`, adds to it the id of each stream
+/// it moved blocks of (once). The caller holds the pool's lock (`st`).
+fn drain<B: DeviceBackend>(
+    caches: &Caches<B>,
+    st: &mut State<B>,
+    mut moved: Option<&mut Vec<u64>>,
+) -> bool {
     let mut over = false;
     for cache in caches {
         let mut c = cache.0.lock().unwrap_or_else(PoisonError::into_inner);
@@ -448,6 +453,11 @@ fn drain<B: DeviceBackend>(caches: &Caches<B>, st: &mut State<B>) -> bool {
         // leaves the blocks not yet moved where they are.)
         while !c.blocks.is_empty() {
             let b = c.blocks.remove(0);
+            if let Some(moved) = moved.as_deref_mut() {
+                if !moved.contains(&b.sid) {
+                    moved.push(b.sid);
+                }
+            }
             let (open, unkept) = st.push_open(b.stream, b.ptr, b.size);
             over |= open > OPEN_LIMIT;
             // Not the stream's last owning handle: the cached block's stream was accepted, and
@@ -1186,12 +1196,20 @@ impl<B: DeviceBackend> Shared<B> {
             .and_then(|r| r.checked_add(align.max(granule) - granule));
         let engine_full = room.is_none_or(|room| st.bfc.largest_free_block() < room);
         if engine_full {
-            closed |= drain(&self.caches, &mut st);
+            let mut moved = Vec::new();
+            closed |= drain(&self.caches, &mut st, Some(&mut moved));
             // Other threads' caches may have held this stream's blocks: they are its own, with no
             // wait.
             if let Some((p, size)) = st.take_pending(sid, bytes, align) {
                 st.reuses += 1;
                 return Ok((p as u64, size));
+            }
+            // The blocks that came out of the caches start their way back to the engine (at once
+            // where their stream is idle), as their stream's own miss would have started them
+            // when it moved them out of its cache: a miss leaves its cache alone, so blocks its
+            // thread no longer asks for (this stream's too) wait there for a full engine.
+            for other in moved {
+                closed |= st.close(other);
             }
             closed |= st.close_where(|other, size| other != sid && size >= bytes);
         }
@@ -1204,7 +1222,7 @@ impl<B: DeviceBackend> Shared<B> {
         let r = st.allocate(bytes, align);
         if matches!(r, Err(AllocError::OutOfMemory(_))) {
             // (Out of memory is rare: other streams' cached blocks join the wait below.)
-            drain(&self.caches, &mut st);
+            drain(&self.caches, &mut st, None);
         }
         let r = match r {
             // (With nothing pending, nothing can come back: the driver was asked already.)
@@ -1390,7 +1408,7 @@ impl<B: DeviceBackend> Drop for Shared<B> {
             .0
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner);
-        drain(&self.caches, st);
+        drain(&self.caches, st, None);
         st.flush_pending();
         st.bfc.release_free_regions();
     }
@@ -1586,7 +1604,7 @@ impl<B: DeviceBackend> DevicePool<B> {
     /// `empty_cache`). Returns the bytes given back. [`synchronize`](Self::synchronize) waits.
     pub fn trim(&self) -> usize {
         let mut st = self.shared.lock();
-        drain(&self.shared.caches, &mut st);
+        drain(&self.shared.caches, &mut st, None);
         st.close_all();
         st.poll_all();
         st.drop_empty_queues();
@@ -1604,7 +1622,7 @@ impl<B: DeviceBackend> DevicePool<B> {
     /// Returns the bytes given back to the driver.
     pub fn synchronize(&self) -> usize {
         let mut st = self.shared.lock();
-        drain(&self.shared.caches, &mut st);
+        drain(&self.shared.caches, &mut st, None);
         st.flush_pending();
         let n = st.bfc.release_free_regions();
         st.collect_source_errors();
