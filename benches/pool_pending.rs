@@ -20,9 +20,9 @@
 //! hold a pending block each, all freed by the same thread: the pool finds the stream's queue in a
 //! list of stream ids, and a poll queries nothing while no batch has an event and no queue is
 //! empty. With no other stream, a stream that takes stream caches finds its block in the thread's
-//! cache, without the pool's lock; with 16 or more, their blocks fill that cache, and the stream's
-//! first free (on the lock) takes the place of the oldest, so its hits go through the cache from
-//! then on. The last column first closes the other streams' blocks (an unfinished
+//! cache, without the pool's lock; with 16 or more, their blocks fill that cache, and once they
+//! are stale (after 64 frees) the stream's frees take their places, so its hits go through the
+//! cache from then on. The last column first closes the other streams' blocks (an unfinished
 //! event each): a poll then queries up to 4 streams' events, in turn. A third table runs hits in 1 and 2 threads at once, each on its own
 //! stream, on the pool's lock and with stream caches (the ratio is the second over the first).
 //!

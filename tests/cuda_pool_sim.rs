@@ -2995,32 +2995,38 @@ fn a_full_stream_cache_sends_frees_to_the_queue() {
     p.check().unwrap();
 }
 
-/// A stream whose cache is full of blocks of a size it no longer asks for gets its cache back: its
-/// next free takes the place of the oldest (which goes to its queue), so its allocations of the
-/// new size are served from the cache again, and the old blocks still serve the stream. (Without
-/// that, the default stream of a program that had freed 16 large buffers took the pool's lock for
-/// every allocation and every free from then on.)
+/// Frees that came for a stream cache after its oldest block before that block is stale and a
+/// free into the full cache takes its place (the pool's `STALE_FREES`).
+const STALE_FREES: usize = 64;
+
+/// A stream whose cache is full of blocks of a size it no longer asks for gets its cache back:
+/// once the oldest is stale, a free takes its place (and it goes to the queue), so its allocations
+/// of the new size are served from the cache again, and the old blocks still serve the stream.
+/// (Without that, the default stream of a program that had freed 16 large buffers took the pool's
+/// lock for every allocation and every free from then on.)
 #[test]
 fn a_stream_whose_cache_holds_other_sizes_gets_its_cache_back() {
     let dev = SimDevice::new(GIB);
     let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
     dev.enqueue(C);
     let large: Vec<_> = (0..16).map(|_| alloc(&p, C, MIB).unwrap()).collect();
-    let small = alloc(&p, C, 4096).unwrap();
     drop(large);
     assert_eq!(
         p.stats().pending_blocks,
         16,
         "the large blocks fill the cache"
     );
-    drop(small); // In the place of the oldest large block, which goes to the queue.
+    // Small blocks on the lock (from the queue, after the first), until the large ones are stale.
+    for _ in 0..STALE_FREES {
+        drop(alloc(&p, C, 4096).unwrap());
+    }
     assert_eq!(p.stats().pending_blocks, 17);
     // Served from the cache, and freed into it: no pool lock, which the closure holds (taking it
     // would panic).
     for _ in 0..3 {
         p.inspect_backend(|_| drop(alloc(&p, C, 4096).unwrap()));
     }
-    // The 1 MiB blocks still serve the stream (15 from the cache, one from its queue).
+    // The 1 MiB blocks still serve the stream (from the cache, and from its queue).
     let requests = dev.requests().len();
     let again: Vec<_> = (0..16).map(|_| alloc(&p, C, MIB).unwrap()).collect();
     assert_eq!(p.stats().pending_blocks, 1, "the small block is left");
@@ -3031,6 +3037,47 @@ fn a_stream_whose_cache_holds_other_sizes_gets_its_cache_back() {
         "no event: the blocks stayed the stream's own"
     );
     drop(again);
+    p.check().unwrap();
+}
+
+/// Allocates `bytes` on `s`, first inside a closure that holds the pool's lock: if the allocation
+/// needs the lock it panics there, `on_lock` counts it, and it is made again outside.
+fn alloc_counting_the_lock(
+    p: &Pool,
+    s: SimStream,
+    bytes: usize,
+    on_lock: &mut usize,
+) -> DeviceBuffer<u8, SimBackend> {
+    let hit = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        p.inspect_backend(|_| alloc(p, s, bytes).unwrap())
+    }));
+    hit.unwrap_or_else(|_| {
+        *on_lock += 1;
+        alloc(p, s, bytes).unwrap()
+    })
+}
+
+/// A thread that cycles through more blocks than its cache holds, one at a time (here one block
+/// on each of 17 streams), keeps hitting on those the cache has: a free into the full cache goes
+/// to the queue while the cached blocks are recent, so one allocation per round takes the lock.
+/// (Had every such free taken the place of the oldest, each block would be gone from the cache
+/// by the time its stream asked again: every allocation on the lock.)
+#[test]
+fn a_thread_cycling_through_more_blocks_than_its_cache_holds_keeps_hitting() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    let streams: Vec<SimStream> = (0..17).map(|i| SimStream(10 + i)).collect();
+    let mut on_lock = 0;
+    for round in 0..4 {
+        for &s in &streams {
+            if round == 0 {
+                drop(alloc(&p, s, 4096).unwrap());
+            } else {
+                drop(alloc_counting_the_lock(&p, s, 4096, &mut on_lock));
+            }
+        }
+    }
+    assert_eq!(on_lock, 3, "allocations on the pool's lock in three rounds");
     p.check().unwrap();
 }
 
@@ -3057,20 +3104,10 @@ fn a_working_set_freed_in_either_order_takes_the_lock_once_per_round() {
         for _ in 0..2 {
             free(sizes.iter().map(|&n| alloc(&p, C, n).unwrap()).collect());
         }
-        // Each allocation first inside a closure that holds the pool's lock: one that needs the
-        // lock panics there (and is made again outside).
         let mut on_lock = 0;
         let set: Vec<_> = sizes
             .iter()
-            .map(|&n| {
-                let hit = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    p.inspect_backend(|_| alloc(&p, C, n).unwrap())
-                }));
-                hit.unwrap_or_else(|_| {
-                    on_lock += 1;
-                    alloc(&p, C, n).unwrap()
-                })
-            })
+            .map(|&n| alloc_counting_the_lock(&p, C, n, &mut on_lock))
             .collect();
         assert_eq!(
             on_lock, 1,
@@ -3082,23 +3119,37 @@ fn a_working_set_freed_in_either_order_takes_the_lock_once_per_round() {
     }
 }
 
-/// A thread that moves on to another stream gets its cache back: a free that finds the cache full
-/// puts its block in the place of the oldest, which goes to its stream's queue, so the new
-/// stream's allocations are served from the cache, without the pool's lock, from the next one on.
-/// (Without that, the cache stayed full of the old stream's blocks until a trim or a full engine,
-/// and every allocation and free on the new stream took the pool's lock; so did those of a thread
-/// that took the cache of one that had exited.)
+/// A thread that moves on to another stream gets its cache back: once the other stream's blocks
+/// are stale, a free that finds the cache full takes the place of the oldest, which goes to its
+/// stream's queue, so the new stream's allocations are served from the cache, without the pool's
+/// lock. (Without that, the cache stayed full of the old stream's blocks until a trim or a full
+/// engine, and every allocation and free on the new stream took the pool's lock; so did those of
+/// a thread that took the cache of one that had exited.) Until then, a free into the full cache
+/// goes to the queue: the cached blocks are recent, and a thread that cycles through more blocks
+/// than the cache holds keeps hitting on those.
 #[test]
-fn a_full_cache_keeps_the_newest_blocks() {
+fn a_full_cache_gives_up_its_stale_blocks() {
     let dev = SimDevice::new(GIB);
     let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
     dev.enqueue(C);
     let old: Vec<_> = (0..16).map(|_| alloc(&p, C, 4096).unwrap()).collect();
     drop(old);
     assert_eq!(p.stats().pending_blocks, 16, "C's blocks fill the cache");
-    // A new block on the lock; its free finds the cache full of C's blocks, and takes the place
-    // of the oldest.
-    drop(alloc(&p, D, 4096).unwrap());
+    // D on the lock: its frees find the cache full of recent blocks, and go to D's queue.
+    for _ in 0..STALE_FREES - 16 {
+        drop(alloc(&p, D, 4096).unwrap());
+    }
+    let hit = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        p.inspect_backend(|_| drop(alloc(&p, D, 4096).unwrap()))
+    }));
+    assert!(
+        hit.is_err(),
+        "C's blocks were given up before they were stale"
+    );
+    // Stale now: the next free takes the place of C's oldest block.
+    for _ in 0..16 {
+        drop(alloc(&p, D, 4096).unwrap());
+    }
     // Served from the cache, and freed into it: no pool lock, which the closure holds (taking it
     // would panic).
     for _ in 0..3 {

@@ -38,12 +38,12 @@
 //!    in every context), without the pool's lock, so threads allocating at once, on their own
 //!    streams or on one, do not wait for each other. What does not fit in the cache, and every
 //!    free of a buffer used on another stream, takes the pool's lock as before. A free that finds
-//!    the cache full (under the pool's lock) puts its block in the place of the cache's oldest,
-//!    which goes to its stream's queue: a cache keeps the newest frees, so a thread that moved on
-//!    to another stream or to other sizes, or took the cache of a thread that exited, is not left
-//!    with a cache full of blocks it will not ask for. (The price: a thread that cycles through
-//!    more than 16 blocks of different streams or sizes, one at a time, finds each gone from its
-//!    cache when it asks for it again, and takes the pool's lock.) An allocation on the lock
+//!    the cache full (under the pool's lock) goes to its stream's queue, unless the cache's oldest
+//!    block is stale (64 frees came for the cache after it): then it takes that one's place, and
+//!    that one goes to its own stream's queue. So a thread that moved on to another stream or to
+//!    other sizes, or took the cache of a thread that exited, gets its cache back after a few
+//!    dozen frees, and a thread that cycles through more blocks than the cache holds keeps
+//!    hitting on those it has. An allocation on the lock
 //!    leaves the thread's cache alone (none of its blocks fits), unless the engine has no free
 //!    chunk for it: then it moves the blocks in every thread's cache to their queues, takes a
 //!    fitting block of its own stream from there without an event or a wait, and closes the

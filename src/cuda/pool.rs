@@ -54,10 +54,23 @@ const KEPT_QUEUES: usize = 16;
 /// its lock instead of the pool's. Fewer under loom, to keep its models small.
 const STREAM_CACHES: usize = if cfg!(loom) { 2 } else { 64 };
 
-/// Blocks a stream cache holds at most (of all its streams); a free that finds it full puts its
-/// block in the place of the oldest, which goes to its stream's queue under the pool's lock. One
-/// under loom, so that its models (two threads sharing a cache) make frees find the cache full.
+/// Blocks a stream cache holds at most (of all its streams); a free that finds it full goes to the
+/// pool's lock, and its block to its stream's queue or, if the oldest cached block is stale (see
+/// [`STALE_FREES`]), in that one's place. One under loom, so that its models (two threads sharing
+/// a cache) make frees find the cache full.
 const STREAM_CACHE_BLOCKS: usize = if cfg!(loom) { 1 } else { 16 };
+
+/// A cached block is stale once this many frees came for its cache after it (four cachefuls): a
+/// free that finds the cache full takes the place of the oldest block only if that one is stale,
+/// and otherwise goes to its stream's queue. So a cache full of blocks its threads no longer ask
+/// for (of a stream they left, of sizes they no longer use, or of a thread that exited) empties
+/// as they go on freeing, while a thread that cycles through more blocks than the cache holds
+/// keeps hitting on those it has. One under loom, so that its models evict.
+const STALE_FREES: u64 = if cfg!(loom) {
+    1
+} else {
+    4 * STREAM_CACHE_BLOCKS as u64
+};
 
 /// Batch queues with room for more than this many batches are not kept for reuse.
 const SPARE_BATCHES_CAPACITY: usize = 16;
@@ -256,6 +269,8 @@ struct Cached<S> {
     size: usize,
     /// The freeing buffer's handle: keeps the stream (and so its id) alive while the block waits.
     stream: S,
+    /// The cache's [`frees`](StreamCache::frees) when the block came in.
+    stamp: u64,
 }
 
 /// One stream cache: open blocks (of any streams the back end can compare) that buffers allocated
@@ -267,6 +282,9 @@ struct StreamCache<B: DeviceBackend> {
     blocks: Vec<Cached<B::Stream>>,
     /// Allocations this cache served.
     hits: u64,
+    /// Frees of its buffers that were for this cache (cache-eligible), counted as they come: how
+    /// old a cached block is (see [`STALE_FREES`]).
+    frees: u64,
     /// Live buffers allocated by this cache's threads (see [`PoolRef`]).
     buffers: usize,
     /// The pool, kept alive for those buffers: taken by the first buffer's allocation, and dropped
@@ -1294,11 +1312,14 @@ impl<B: DeviceBackend> Shared<B> {
             let cached = {
                 let mut c = cache.lock().unwrap_or_else(PoisonError::into_inner);
                 if c.blocks.len() < STREAM_CACHE_BLOCKS {
+                    c.frees += 1;
+                    let stamp = c.frees;
                     c.blocks.push(Cached {
                         sid,
                         ptr: ptr as usize,
                         size,
                         stream,
+                        stamp,
                     });
                     // (The count ends here, under the lock already held.)
                     core::mem::forget(count_end);
@@ -1327,10 +1348,11 @@ impl<B: DeviceBackend> Shared<B> {
 
     /// [`free_block`](Self::free_block) past its stream cache, under the pool's lock (the buffer
     /// is still counted). With `full_cache` (the stream cache the block was for, which had no
-    /// room), the block takes the place of the cache's oldest, which goes to its stream's queue
-    /// instead: a cache keeps the most recent frees, so a thread that moved on to another stream,
-    /// or took the cache of a thread that exited, does not find it full of blocks it will not ask
-    /// for, with every free and every allocation of its stream on the pool's lock from then on.
+    /// room), the block takes the place of the cache's oldest if that one is stale, which goes to
+    /// its stream's queue instead (see [`STALE_FREES`]): so a thread that moved on to another
+    /// stream, or took the cache of a thread that exited, does not find it full of blocks it will
+    /// not ask for, with every free and every allocation of its stream on the pool's lock from
+    /// then on.
     fn free_locked(
         &self,
         full_cache: Option<usize>,
@@ -1366,20 +1388,27 @@ impl<B: DeviceBackend> Shared<B> {
                     .cache(index)
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner);
+                c.frees += 1;
                 let block = Cached {
                     sid,
                     ptr: ptr as usize,
                     size,
                     stream,
+                    stamp: c.frees,
                 };
                 if c.blocks.len() < STREAM_CACHE_BLOCKS {
                     // (It had room again.)
                     c.blocks.push(block);
                     return;
                 }
-                let old = c.blocks.remove(0);
-                c.blocks.push(block);
-                (old.sid, old.ptr, old.size, old.stream)
+                if c.frees - c.blocks[0].stamp < STALE_FREES {
+                    // The cached blocks are recent: this one goes to the queue.
+                    (block.sid, block.ptr, block.size, block.stream)
+                } else {
+                    let old = c.blocks.remove(0);
+                    c.blocks.push(block);
+                    (old.sid, old.ptr, old.size, old.stream)
+                }
             }
             None => (sid, ptr as usize, size, stream),
         };
@@ -1515,6 +1544,7 @@ impl<B: DeviceBackend> DevicePool<B> {
                 Padded(Mutex::new(StreamCache {
                     blocks: Vec::with_capacity(STREAM_CACHE_BLOCKS),
                     hits: 0,
+                    frees: 0,
                     buffers: 0,
                     pool: None,
                 }))
