@@ -1030,12 +1030,15 @@ fn an_arena_that_cannot_be_reserved_makes_every_allocation_fail() {
 }
 
 /// `usable_size` of freed blocks, as documented: a small block freed into the thread's cache still
-/// reads as its class size (with `std`); a freed large block reads as no block.
+/// reads as its class size (with `std`); a freed large block reads as no block. (The large block
+/// comes from an instance of its own: in the global one, a test on another thread may be handed
+/// the freed block's address before it is looked up.)
 #[test]
 fn usable_size_of_freed_blocks() {
     std::thread::spawn(|| {
         let small = Layout::from_size_align(48, 8).unwrap();
         let large = Layout::from_size_align(1 << 20, 8).unwrap();
+        let local = fixed_arena(16 << 20, false);
         // SAFETY: each block is freed once, with its layout; the pointers are only looked up after.
         unsafe {
             let p = A.alloc(small);
@@ -1048,10 +1051,10 @@ fn usable_size_of_freed_blocks() {
                 None
             };
             assert_eq!(A.usable_size(p), cached);
-            let q = A.alloc(large);
-            assert!(A.usable_size(q).unwrap() >= 1 << 20);
-            A.dealloc(q, large);
-            assert_eq!(A.usable_size(q), None);
+            let q = local.alloc(large);
+            assert!(local.usable_size(q).unwrap() >= 1 << 20);
+            local.dealloc(q, large);
+            assert_eq!(local.usable_size(q), None);
         }
     })
     .join()
