@@ -3081,6 +3081,38 @@ fn a_thread_cycling_through_more_blocks_than_its_cache_holds_keeps_hitting() {
     p.check().unwrap();
 }
 
+/// A stream whose working set (16 buffers, a cacheful) moves on to a new size gets its cache back
+/// once the old size's blocks are stale: within four rounds (64 frees), after which its rounds
+/// are served from the cache again. (The price of keeping recent blocks for threads that cycle
+/// through more than the cache holds: with a free into the full cache always taking the oldest
+/// block's place, one round; with never, not at all.)
+#[test]
+fn a_working_set_that_moves_on_to_a_new_size_gets_its_cache_back() {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    dev.enqueue(C);
+    for size in 1..=3 {
+        let mut on_lock = [0; 6];
+        for count in &mut on_lock {
+            let set: Vec<_> = (0..16)
+                .map(|_| alloc_counting_the_lock(&p, C, 4096 * size, count))
+                .collect();
+            drop(set);
+        }
+        assert_eq!(on_lock[0], 16, "size {size}: the first round misses");
+        assert!(
+            on_lock[..4].iter().sum::<usize>() <= 4 * 16,
+            "size {size}: {on_lock:?}"
+        );
+        assert_eq!(
+            on_lock[4..],
+            [0, 0],
+            "size {size}: later rounds hit ({on_lock:?})"
+        );
+    }
+    p.check().unwrap();
+}
+
 /// A stream that allocates the same working set of more than 16 buffers every round, one of them
 /// of a size of its own, takes the pool's lock for one allocation per round, whether it frees the
 /// set in allocation order (a `Vec` of buffers dropped at once) or in reverse (locals): the cache
