@@ -2878,6 +2878,10 @@ fn a_full_pool_gives_a_thread_its_streams_block_from_another_threads_cache() {
         ..PoolOptions::with_limit(2 * MIB)
     };
     let p = pool(&dev, options);
+    // This thread takes its stream cache first (a thread keeps its cache until it exits, in every
+    // pool), so that it cannot take the one the other thread gives back when it exits.
+    let other = pool(&dev, PoolOptions::with_limit(2 * MIB));
+    drop(alloc(&other, C, 4096).unwrap());
     dev.enqueue(C);
     let at = std::thread::scope(|scope| {
         scope

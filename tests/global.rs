@@ -104,27 +104,42 @@ fn realloc_patterns_preserve_contents() {
     v.truncate(10);
     v.shrink_to_fit();
     assert_eq!(v, (0..10).collect::<Vec<_>>());
-    // Grow and shrink in place and by moving, with a live neighbour in between.
+    // Grow and shrink in place and by moving, with a live neighbour in between. (In an instance of
+    // its own: in the global one, a test on another thread may take the tail the shrink frees
+    // before the block grows back into it.)
+    let local = fixed_arena(16 << 20, false);
     // SAFETY: every block is allocated with a non-zero layout, used within its size, and freed or
     // reallocated once with the layout it has.
     unsafe {
         let l = Layout::from_size_align(100, 16).unwrap();
-        let p = alloc(l);
+        let p = local.alloc(l);
         for i in 0..100 {
             *p.add(i) = i as u8;
         }
-        let blocker = alloc(Layout::from_size_align(16, 16).unwrap());
-        let p2 = realloc(p, l, 10_000); // must move: the neighbour is in use
+        let small = Layout::from_size_align(16, 16).unwrap();
+        let blocker = local.alloc(small);
+        let p2 = local.realloc(p, l, 10_000); // must move: the neighbour is in use
         assert!((0..100).all(|i| *p2.add(i) == i as u8));
-        let p3 = realloc(p2, Layout::from_size_align(10_000, 16).unwrap(), 5000);
+        let p3 = local.realloc(p2, Layout::from_size_align(10_000, 16).unwrap(), 5000);
         assert_eq!(p3, p2, "shrink stays in place");
         assert!((0..100).all(|i| *p3.add(i) == i as u8));
-        let p4 = realloc(p3, Layout::from_size_align(5000, 16).unwrap(), 9000);
+        let p4 = local.realloc(p3, Layout::from_size_align(5000, 16).unwrap(), 9000);
         assert_eq!(p4, p3, "grows in place into the tail freed by the shrink");
         assert!((0..100).all(|i| *p4.add(i) == i as u8));
+        local.dealloc(p4, Layout::from_size_align(9000, 16).unwrap());
+        local.dealloc(blocker, small);
+        local.check().unwrap();
+    }
+    // SAFETY: as above.
+    unsafe {
+        let l = Layout::from_size_align(9000, 16).unwrap();
+        let p4 = alloc(l);
+        for i in 0..100 {
+            *p4.add(i) = i as u8;
+        }
         // Shrinking to a small size moves the block to the slab layer (a small block is always
         // freed with a layout of its own size class, which thread caches rely on).
-        let p5 = realloc(p4, Layout::from_size_align(9000, 16).unwrap(), 50);
+        let p5 = realloc(p4, l, 50);
         assert_ne!(p5, p4);
         assert_eq!(A.usable_size(p5), Some(64));
         assert!((0..50).all(|i| *p5.add(i) == i as u8));
@@ -135,7 +150,6 @@ fn realloc_patterns_preserve_contents() {
         assert_ne!(p7, p6);
         assert!((0..30).all(|i| *p7.add(i) == i as u8));
         dealloc(p7, Layout::from_size_align(30, 16).unwrap());
-        dealloc(blocker, Layout::from_size_align(16, 16).unwrap());
     }
     A.check().unwrap();
 }
@@ -1039,18 +1053,19 @@ fn usable_size_of_freed_blocks() {
         let small = Layout::from_size_align(48, 8).unwrap();
         let large = Layout::from_size_align(1 << 20, 8).unwrap();
         let local = fixed_arena(16 << 20, false);
+        // Without `std` there are no thread caches: the freed small block is back in its span, and
+        // in the global instance another test's thread may be handed it before the lookup.
+        let (a, cached): (&GlobalBfc, _) = if cfg!(feature = "std") {
+            (&A, Some(48))
+        } else {
+            (&local, None)
+        };
         // SAFETY: each block is freed once, with its layout; the pointers are only looked up after.
         unsafe {
-            let p = A.alloc(small);
-            assert_eq!(A.usable_size(p), Some(48));
-            A.dealloc(p, small);
-            // Without `std` there are no thread caches: the block is back in its span.
-            let cached = if cfg!(feature = "std") {
-                Some(48)
-            } else {
-                None
-            };
-            assert_eq!(A.usable_size(p), cached);
+            let p = a.alloc(small);
+            assert_eq!(a.usable_size(p), Some(48));
+            a.dealloc(p, small);
+            assert_eq!(a.usable_size(p), cached);
             let q = local.alloc(large);
             assert!(local.usable_size(q).unwrap() >= 1 << 20);
             local.dealloc(q, large);

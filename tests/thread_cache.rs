@@ -154,8 +154,10 @@ fn the_cache_is_bounded_and_flushes_on_demand() {
     );
     assert!(cached > 0 && cached <= MAX_CACHED_BYTES);
     assert!(after.bytes_cached >= cached);
+    // (Other threads allocate too: the test harness, after the previous test let `SERIAL` go, once
+    // took about 10 KB between the two readings. The 76,800 blocks are 19 MiB.)
     assert!(
-        after.bytes_in_use <= before.bytes_in_use + 4096,
+        after.bytes_in_use < before.bytes_in_use + (64 << 10),
         "{before:?} -> {after:?}"
     );
     A.check().unwrap();
