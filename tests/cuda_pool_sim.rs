@@ -3003,47 +3003,6 @@ fn a_full_stream_cache_sends_frees_to_the_queue() {
 /// free into the full cache takes its place (the pool's `STALE_FREES`).
 const STALE_FREES: usize = 64;
 
-/// A stream whose cache is full of blocks of a size it no longer asks for gets its cache back:
-/// once the oldest is stale, a free takes its place (and it goes to the queue), so its allocations
-/// of the new size are served from the cache again, and the old blocks still serve the stream.
-/// (Without that, the default stream of a program that had freed 16 large buffers took the pool's
-/// lock for every allocation and every free from then on.)
-#[test]
-fn a_stream_whose_cache_holds_other_sizes_gets_its_cache_back() {
-    let dev = SimDevice::new(GIB);
-    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
-    dev.enqueue(C);
-    let large: Vec<_> = (0..16).map(|_| alloc(&p, C, MIB).unwrap()).collect();
-    drop(large);
-    assert_eq!(
-        p.stats().pending_blocks,
-        16,
-        "the large blocks fill the cache"
-    );
-    // Small blocks on the lock (from the queue, after the first), until the large ones are stale.
-    for _ in 0..STALE_FREES {
-        drop(alloc(&p, C, 4096).unwrap());
-    }
-    assert_eq!(p.stats().pending_blocks, 17);
-    // Served from the cache, and freed into it: no pool lock, which the closure holds (taking it
-    // would panic).
-    for _ in 0..3 {
-        p.inspect_backend(|_| drop(alloc(&p, C, 4096).unwrap()));
-    }
-    // The 1 MiB blocks still serve the stream (from the cache, and from its queue).
-    let requests = dev.requests().len();
-    let again: Vec<_> = (0..16).map(|_| alloc(&p, C, MIB).unwrap()).collect();
-    assert_eq!(p.stats().pending_blocks, 1, "the small block is left");
-    assert_eq!(dev.requests().len(), requests, "no new region");
-    assert_eq!(
-        dev.recorded(C),
-        0,
-        "no event: the blocks stayed the stream's own"
-    );
-    drop(again);
-    p.check().unwrap();
-}
-
 /// Allocates `bytes` on `s`, first inside a closure that holds the pool's lock: if the allocation
 /// needs the lock it panics there, `on_lock` counts it, and it is made again outside.
 fn alloc_counting_the_lock(
@@ -3155,56 +3114,59 @@ fn a_working_set_freed_in_either_order_takes_the_lock_once_per_round() {
     }
 }
 
-/// A thread that moves on to another stream gets its cache back: once the other stream's blocks
-/// are stale, a free that finds the cache full takes the place of the oldest, which goes to its
-/// stream's queue, so the new stream's allocations are served from the cache, without the pool's
-/// lock. (Without that, the cache stayed full of the old stream's blocks until a trim or a full
-/// engine, and every allocation and free on the new stream took the pool's lock; so did those of
-/// a thread that took the cache of one that had exited.) Until then, a free into the full cache
-/// goes to the queue: the cached blocks are recent, and a thread that cycles through more blocks
-/// than the cache holds keeps hitting on those.
+/// A cache full of blocks its thread no longer asks for (of a stream it left, or of a size it no
+/// longer uses) gives them up once they are stale. Until `STALE_FREES` frees came for the cache
+/// after the oldest, a free into the full cache goes to its stream's queue (the cached blocks are
+/// recent, and a thread that cycles through more blocks than the cache holds keeps hitting on
+/// those); then it takes the oldest block's place, which goes to its own stream's queue, and the
+/// new allocations are served from the cache, without the pool's lock. The old blocks still serve
+/// their stream, with no event. (Without that, the cache stayed full until a trim or a full
+/// engine, and every allocation and free took the pool's lock: on the default stream of a program
+/// that had freed 16 large buffers, on a thread that moved on to another stream, or on one that
+/// took the cache of a thread that had exited.)
 #[test]
 fn a_full_cache_gives_up_its_stale_blocks() {
-    let dev = SimDevice::new(GIB);
-    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
-    dev.enqueue(C);
-    let old: Vec<_> = (0..16).map(|_| alloc(&p, C, 4096).unwrap()).collect();
-    drop(old);
-    assert_eq!(p.stats().pending_blocks, 16, "C's blocks fill the cache");
-    // D on the lock: its frees find the cache full of recent blocks, and go to D's queue.
-    for _ in 0..STALE_FREES - 16 {
-        drop(alloc(&p, D, 4096).unwrap());
+    // (Old stream and size, new stream and size): another stream, then another size.
+    for ((s0, n0), (s1, n1)) in [((C, 4096), (D, 4096)), ((C, MIB), (C, 4096))] {
+        let case = format!("{s0:?}, {n0} B, then {s1:?}, {n1} B");
+        let dev = SimDevice::new(GIB);
+        let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+        dev.enqueue(s0);
+        let old: Vec<_> = (0..16).map(|_| alloc(&p, s0, n0).unwrap()).collect();
+        drop(old);
+        assert_eq!(p.stats().pending_blocks, 16, "{case}: the cache is full");
+        // On the lock: the frees find the cache full of recent blocks, and go to the queue.
+        for _ in 0..STALE_FREES - 16 {
+            drop(alloc(&p, s1, n1).unwrap());
+        }
+        let hit = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            p.inspect_backend(|_| drop(alloc(&p, s1, n1).unwrap()))
+        }));
+        assert!(hit.is_err(), "{case}: given up before they were stale");
+        // Stale now: the next free takes the place of the oldest block.
+        for _ in 0..16 {
+            drop(alloc(&p, s1, n1).unwrap());
+        }
+        // Served from the cache, and freed into it: no pool lock, which the closure holds (taking
+        // it would panic).
+        for _ in 0..3 {
+            p.inspect_backend(|_| drop(alloc(&p, s1, n1).unwrap()));
+        }
+        assert_eq!(p.stats().pending_blocks, 17, "{case}");
+        // The old blocks still serve their stream (from the cache, and the oldest from its
+        // queue), open: the stream is still busy.
+        let requests = dev.requests().len();
+        let again: Vec<_> = (0..16).map(|_| alloc(&p, s0, n0).unwrap()).collect();
+        assert_eq!(dev.requests().len(), requests, "{case}: a new region");
+        assert_eq!(
+            p.stats().pending_blocks,
+            1,
+            "{case}: only the new block is left"
+        );
+        assert_eq!(dev.recorded(s0), 0, "{case}: an event");
+        drop(again);
+        p.check().unwrap();
     }
-    let hit = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        p.inspect_backend(|_| drop(alloc(&p, D, 4096).unwrap()))
-    }));
-    assert!(
-        hit.is_err(),
-        "C's blocks were given up before they were stale"
-    );
-    // Stale now: the next free takes the place of C's oldest block.
-    for _ in 0..16 {
-        drop(alloc(&p, D, 4096).unwrap());
-    }
-    // Served from the cache, and freed into it: no pool lock, which the closure holds (taking it
-    // would panic).
-    for _ in 0..3 {
-        p.inspect_backend(|_| drop(alloc(&p, D, 4096).unwrap()));
-    }
-    assert_eq!(p.stats().pending_blocks, 17);
-    // C's blocks still serve C (from the cache, and the oldest from its queue), open: C is still
-    // busy.
-    let requests = dev.requests().len();
-    let again: Vec<_> = (0..16).map(|_| alloc(&p, C, 4096).unwrap()).collect();
-    assert_eq!(dev.requests().len(), requests, "no new region");
-    assert_eq!(
-        p.stats().pending_blocks,
-        1,
-        "only D's block is left pending"
-    );
-    assert_eq!(dev.recorded(C), 0, "no event: C's blocks stayed its own");
-    drop(again);
-    p.check().unwrap();
 }
 
 /// The pool lives while it has a handle or a buffer, and goes with the last of them, whichever

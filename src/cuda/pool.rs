@@ -1196,7 +1196,6 @@ impl<B: DeviceBackend> Shared<B> {
         let mut st = self.lock();
         st.backend().check_stream(stream)?;
         st.poll_pending();
-        let mut closed = false;
         if let Some((p, size)) = st.take_pending(sid, bytes, align) {
             st.reuses += 1;
             return Ok((p as u64, size));
@@ -1204,7 +1203,7 @@ impl<B: DeviceBackend> Shared<B> {
         // A miss: this stream's open blocks do not fit, so start their way back to the engine. If
         // the engine has no free chunk for the request either, do the same for other streams'
         // open blocks that could serve it, rather than grow.
-        closed |= st.close(sid);
+        let mut closed = st.close(sid);
         // (A free chunk serves the request for sure only with room for its alignment's padding
         // too: one of `bytes` that is misaligned for it does not, and the engine would grow.)
         let granule = self.config.granule;
@@ -1222,14 +1221,12 @@ impl<B: DeviceBackend> Shared<B> {
                 st.reuses += 1;
                 return Ok((p as u64, size));
             }
-            // The blocks that came out of the caches start their way back to the engine (at once
-            // where their stream is idle), as their stream's own miss would have started them
-            // when it moved them out of its cache: a miss leaves its cache alone, so blocks its
-            // thread no longer asks for (this stream's too) wait there for a full engine.
-            for other in moved {
-                closed |= st.close(other);
-            }
-            closed |= st.close_where(|other, size| other != sid && size >= bytes);
+            // Also the streams of the blocks that came out of the caches (this one's too), at once
+            // where the stream is idle: a miss leaves its cache alone, so blocks its thread no
+            // longer asks for wait there for a full engine.
+            closed |= st.close_where(|other, size| {
+                moved.contains(&other) || (other != sid && size >= bytes)
+            });
         }
         if engine_full {
             // Before the pool grows: every stream's completed batches.
@@ -1734,17 +1731,20 @@ impl<B: DeviceBackend> DevicePool<B> {
 mod tests {
     use super::thread_cache;
 
-    /// A thread's stream cache goes back when the thread exits: 200 threads in turn, each alive
-    /// with this one, never share its cache (handed out in turn for good, the 64th would).
     /// Serialises the tests that count the stream caches live threads hold (no other test of
     /// this binary takes one).
-    static CACHES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        static CACHES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        CACHES
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 
+    /// A thread's stream cache goes back when the thread exits: 200 threads in turn, each alive
+    /// with this one, never share its cache (handed out in turn for good, the 64th would).
     #[test]
     fn exited_threads_give_their_stream_caches_back() {
-        let _serial = CACHES
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _serial = serial();
         let mine = thread_cache();
         for t in 0..200 {
             let theirs = std::thread::spawn(thread_cache).join().unwrap();
@@ -1761,9 +1761,7 @@ mod tests {
         use std::sync::mpsc::channel;
         use std::thread;
         use std::vec::Vec;
-        let _serial = CACHES
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _serial = serial();
         let mine = thread_cache();
         // A thread that takes its cache, says which, and holds it until told to exit.
         let hold = || {
