@@ -498,6 +498,67 @@ fn a_free_after_the_home_stream_waits_for_a_kernel_elsewhere_is_not_reused_early
     );
 }
 
+/// A block freed while its stream's kernel still writes it sits in the thread's stream cache. A
+/// hundred frees on another stream make it stale, and the cache gives it up to its stream's queue;
+/// a third stream that then needs it (the pool is at its limit) must not write it before that
+/// kernel has. This runs the stream cache's eviction (and the drain of a full engine) against a
+/// real kernel.
+#[test]
+fn a_stale_block_given_up_by_its_cache_waits_for_its_stream_before_another_reuses_it() {
+    let _gpu = serial();
+    let n = 4 * MIB; // u32: 16 MiB
+    let Some(pool) = pool(PoolOptions {
+        allow_growth: false,
+        ..PoolOptions::with_limit(32 * MIB)
+    }) else {
+        return;
+    };
+    let ctx = pool.context();
+    let Some(f) = spin_fill_kernel(&ctx) else {
+        return;
+    };
+    let (a, b, c) = (
+        ctx.new_stream().unwrap(),
+        ctx.new_stream().unwrap(),
+        ctx.new_stream().unwrap(),
+    );
+    // SAFETY: written by the kernel before any read.
+    let victim: DeviceBuffer<u32> = unsafe { pool.alloc(&a, n) }.unwrap();
+    let addr = victim.device_address();
+    // Leaves 8 MiB of the region free: room for the small blocks below, not for B's buffer.
+    // SAFETY: never read.
+    let blocker: DeviceBuffer<u32> = unsafe { pool.alloc(&b, n / 2) }.unwrap();
+    launch_spin_fill(&a, &f, &victim, 0xdead_beef, 1_000_000_000);
+    drop(victim); // into the cache, while the kernel still runs on A
+
+    // Fill the cache with 15 blocks of stream C, then free 100 blocks of another size on C: each
+    // free finds the cache full, and once the victim is stale it takes the victim's place.
+    let small: Vec<DeviceBuffer<u32>> = (0..15)
+        // SAFETY: never read.
+        .map(|_| unsafe { pool.alloc::<u32>(&c, 1024) }.unwrap())
+        .collect();
+    drop(small);
+    for _ in 0..100 {
+        // SAFETY: never read.
+        drop(unsafe { pool.alloc::<u32>(&c, 2048) }.unwrap());
+    }
+
+    let new = pool.clone_htod(&b, &vec![0x1234_5678u32; n]).unwrap();
+    assert_eq!(
+        new.device_address(),
+        addr,
+        "the test must reuse the victim's block"
+    );
+    ctx.synchronize().unwrap();
+    let back = b.clone_dtoh(&new).unwrap();
+    assert!(
+        back.iter().all(|&v| v == 0x1234_5678),
+        "stream A's kernel overwrote the block's next owner on stream B"
+    );
+    drop((blocker, new));
+    settle(&pool);
+}
+
 const CHECK: &str = r#"
 extern "C" __global__ void check(const unsigned int *p, unsigned long long n, unsigned int v,
                                  long long cycles, unsigned int *errors) {
