@@ -3879,6 +3879,55 @@ fn a_miss_on_a_full_engine_reuses_its_own_streams_cached_blocks_before_growing()
     p.check().unwrap();
 }
 
+/// A miss on a full engine that another thread's cache serves (a block of the miss's own stream)
+/// still closes the other streams whose blocks came out of the caches for it: an idle one's go back
+/// to the engine at once, a busy one's get an event. (They stayed open in their queues, until some
+/// later miss or a trim.)
+#[test]
+fn a_miss_on_a_full_engine_served_from_another_threads_cache_closes_the_drained_streams() {
+    for busy in [false, true] {
+        let dev = SimDevice::new(GIB);
+        let options = PoolOptions {
+            allow_growth: false,
+            ..PoolOptions::with_limit(8 * MIB)
+        };
+        let p = pool(&dev, options);
+        // This thread takes its cache first; another thread's cache keeps a block of C (and goes
+        // on to a later thread with it).
+        drop(alloc(&p, D, MIB).unwrap());
+        std::thread::scope(|s| {
+            s.spawn(|| drop(alloc(&p, C, MIB).unwrap()));
+        });
+        // This thread's cache: seven of D, which fill the engine.
+        let d: Vec<_> = (0..7).map(|_| alloc(&p, D, MIB).unwrap()).collect();
+        if busy {
+            dev.enqueue(D);
+        }
+        drop(d);
+        assert_eq!(p.stats().pending_blocks, 8);
+        let x = alloc(&p, C, MIB).unwrap();
+        let st = p.stats();
+        if busy {
+            assert_eq!(dev.recorded(D), 1, "D's blocks were not closed");
+            assert_eq!(st.pending_blocks, 7);
+            // The next call on the lock sees the event complete (and its block goes to the cache).
+            dev.complete(D);
+            drop(alloc(&p, C, MIB).unwrap());
+        } else {
+            assert_eq!(dev.recorded(D), 0);
+        }
+        let in_cache = usize::from(busy);
+        assert_eq!(
+            (p.stats().pending_blocks, p.stats().allocator.bytes_in_use),
+            (in_cache, (1 + in_cache) * MIB),
+            "busy: {busy}: D's blocks are still pending"
+        );
+        drop(x);
+        p.synchronize();
+        p.check().unwrap();
+    }
+}
+
 /// The same at the pool's limit: the stream's own cached blocks serve it without the
 /// out-of-memory wait for every pending free (here, for another stream's unfinished work).
 #[test]
@@ -3925,4 +3974,90 @@ fn another_streams_stale_cached_blocks_serve_a_miss_before_the_pool_grows() {
     assert_eq!(dev.requests(), vec![2 * MIB, 4 * MIB], "the pool grew");
     drop((c, small, x));
     p.check().unwrap();
+}
+
+/// Threads that come and go (their stream caches handed on to the next ones), freeing each other's
+/// buffers on four streams that are busy now and then, in a pool small enough that misses find the
+/// engine full: no two live buffers overlap, and once all are freed nothing is left in use or
+/// pending, and every region goes back to the driver.
+#[test]
+fn threads_that_come_and_go_freeing_each_others_buffers_lose_nothing() {
+    let dev = SimDevice::new(4 * GIB);
+    let p = pool(&dev, PoolOptions::with_limit(8 * MIB));
+    let shared: Mutex<Vec<DeviceBuffer<u8, SimBackend>>> = Mutex::default();
+    let live: Mutex<BTreeMap<u64, u64>> = Mutex::default();
+    for wave in 0..40u64 {
+        std::thread::scope(|scope| {
+            for t in 0..4u64 {
+                let (p, dev, shared, live) = (&p, &dev, &shared, &live);
+                scope.spawn(move || {
+                    let mut rng = Rng(0x1234_5678 ^ (wave * 131 + t));
+                    let mut held = Vec::new();
+                    for _ in 0..200 {
+                        let r = rng.next();
+                        let s = SimStream(3 + (r >> 8) % 4);
+                        match r % 6 {
+                            0..=2 => {
+                                let size = 256 << ((r >> 16) % 12);
+                                if let Ok(b) = alloc(p, s, size) {
+                                    let (lo, hi) = (
+                                        b.device_address(),
+                                        b.device_address() + b.block_size() as u64,
+                                    );
+                                    let mut l = live.lock().unwrap();
+                                    if let Some((_, &h)) = l.range(..hi).next_back() {
+                                        assert!(h <= lo, "overlap");
+                                    }
+                                    l.insert(lo, hi);
+                                    drop(l);
+                                    held.push(b);
+                                }
+                            }
+                            3 if !held.is_empty() => {
+                                let b: DeviceBuffer<u8, SimBackend> =
+                                    held.swap_remove((r >> 20) as usize % held.len());
+                                live.lock().unwrap().remove(&b.device_address());
+                                if (r >> 30) % 2 == 0 {
+                                    dev.enqueue(*b.home_stream());
+                                }
+                                drop(b);
+                            }
+                            4 if !held.is_empty() => {
+                                let b = held.swap_remove((r >> 20) as usize % held.len());
+                                shared.lock().unwrap().push(b);
+                            }
+                            5 => {
+                                let mut sh = shared.lock().unwrap();
+                                if let Some(b) = sh.pop() {
+                                    drop(sh);
+                                    live.lock().unwrap().remove(&b.device_address());
+                                    drop(b);
+                                }
+                                dev.complete(SimStream(3 + (r >> 40) % 4));
+                            }
+                            _ => {}
+                        }
+                    }
+                    for b in held {
+                        live.lock().unwrap().remove(&b.device_address());
+                        drop(b);
+                    }
+                });
+            }
+        });
+    }
+    for b in shared.lock().unwrap().drain(..) {
+        live.lock().unwrap().remove(&b.device_address());
+        drop(b);
+    }
+    p.synchronize();
+    let s = p.stats();
+    assert_eq!(
+        (s.allocator.bytes_in_use, s.pending_blocks, s.pending_bytes),
+        (0, 0, 0)
+    );
+    p.check().unwrap();
+    p.check_err().unwrap();
+    drop(p);
+    assert_eq!(dev.bytes_live(), 0);
 }

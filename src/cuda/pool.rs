@@ -1216,9 +1216,11 @@ impl<B: DeviceBackend> Shared<B> {
             let mut moved = Vec::new();
             closed |= drain(&self.caches, &mut st, Some(&mut moved));
             // Other threads' caches may have held this stream's blocks: they are its own, with no
-            // wait.
+            // wait. (The other streams' blocks that came out of the caches are closed all the
+            // same, as below: they are the ones a full engine needs back.)
             if let Some((p, size)) = st.take_pending(sid, bytes, align) {
                 st.reuses += 1;
+                st.close_where(|other, _| other != sid && moved.contains(&other));
                 return Ok((p as u64, size));
             }
             // Also the streams of the blocks that came out of the caches (this one's too), at once
@@ -1396,6 +1398,8 @@ impl<B: DeviceBackend> Shared<B> {
                 if c.blocks.len() < STREAM_CACHE_BLOCKS {
                     // (It had room again.)
                     c.blocks.push(block);
+                    drop(c);
+                    st.poll_pending();
                     return;
                 }
                 if c.frees - c.blocks[0].stamp < STALE_FREES {
@@ -1704,7 +1708,8 @@ impl<B: DeviceBackend> DevicePool<B> {
     ///
     /// If `f` calls into this pool in a way that takes its lock (most methods; an allocation or a
     /// drop of one of its buffers unless a stream cache serves it): that would wait for the lock
-    /// `f` runs under.
+    /// `f` runs under. A buffer whose drop panics there loses its block: it stays in use in the
+    /// engine, and its region is never given back.
     pub fn inspect_backend<R>(&self, f: impl FnOnce(&B) -> R) -> R {
         self.shared.with_backend(|b| f(b))
     }
