@@ -1,0 +1,185 @@
+//! Device-pool tests that need threads with stream caches of their own. A thread takes one of the
+//! pool's 64 stream caches that no live thread holds (threads share one only while every cache is
+//! held), so these run in a binary of their own: among the other simulator tests, a machine that
+//! runs 63 tests or more at once could leave two of their threads sharing a cache.
+
+use bfc_alloc::cuda::{
+    DeviceBuffer, DevicePool, PoolError, PoolOptions, SimBackend, SimDevice, SimStream,
+};
+
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+
+type Pool = DevicePool<SimBackend>;
+
+fn pool(dev: &SimDevice, options: PoolOptions) -> Pool {
+    DevicePool::with_backend(dev.backend(), options).unwrap()
+}
+
+fn alloc(
+    pool: &Pool,
+    s: SimStream,
+    bytes: usize,
+) -> Result<DeviceBuffer<u8, SimBackend>, PoolError> {
+    // SAFETY: simulated memory is never read.
+    unsafe { pool.alloc::<u8>(&s, bytes) }
+}
+
+/// Streams that take stream caches (see `SimBackend::same_stream`).
+const C: SimStream = SimStream(3);
+const D: SimStream = SimStream(4);
+
+/// Two threads on one stream each keep their frees in their own stream cache, and each reuses its
+/// own without the pool's lock: the second thread's first allocation does not get the first's
+/// cached block (it misses, on the lock), and once each freed one, each gets its own back while
+/// the main thread holds the pool's lock. A buffer freed by another thread goes back to the cache
+/// of the thread that allocated it. (A thread takes a cache no live thread holds and gives it back
+/// when it exits: threads share one only while 64 live threads hold every cache.)
+#[test]
+fn threads_on_one_stream_keep_their_own_stream_caches() {
+    use std::sync::mpsc::{channel, Receiver, Sender};
+    type Buf = DeviceBuffer<u8, SimBackend>;
+    type Job = Box<dyn FnOnce() -> Option<Buf> + Send>;
+    type Worker = (Sender<Job>, Receiver<Option<Buf>>);
+    /// A thread that runs the closures it receives, in order, and sends back what they return.
+    fn worker<'scope>(scope: &'scope std::thread::Scope<'scope, '_>) -> Worker {
+        let (to, from_main) = channel::<Job>();
+        let (to_main, from) = channel::<Option<Buf>>();
+        scope.spawn(move || {
+            for f in from_main {
+                to_main.send(f()).unwrap();
+            }
+        });
+        (to, from)
+    }
+    /// Runs `f` on `w`'s thread; fails if it takes more than 10 s (waiting for the pool's lock).
+    fn run(w: &Worker, f: Job) -> Option<Buf> {
+        w.0.send(f).unwrap();
+        w.1.recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the thread waited for the pool's lock")
+    }
+    let alloc_on_c = |p: &Pool| -> Job {
+        let p = p.clone();
+        Box::new(move || Some(alloc(&p, C, 4096).unwrap()))
+    };
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(256 * MIB));
+    dev.enqueue(C);
+    std::thread::scope(|scope| {
+        let (t1, t2) = (worker(scope), worker(scope));
+        let x = run(&t1, alloc_on_c(&p)).unwrap();
+        let at_x = x.device_address();
+        run(
+            &t1,
+            Box::new(move || {
+                drop(x);
+                None
+            }),
+        );
+        let y = run(&t2, alloc_on_c(&p)).unwrap();
+        let at_y = y.device_address();
+        assert_ne!(
+            at_y, at_x,
+            "the second thread took the first's cached block"
+        );
+        // Freed by the main thread: back to the second thread's cache.
+        drop(y);
+        let (x, y) = p.inspect_backend(|_| {
+            let x = run(&t1, alloc_on_c(&p)).unwrap();
+            let y = run(&t2, alloc_on_c(&p)).unwrap();
+            (x, y)
+        });
+        assert_eq!((x.device_address(), y.device_address()), (at_x, at_y));
+        drop((x, y, t1, t2));
+    });
+    p.check().unwrap();
+}
+
+/// When the engine has no room, an allocation takes its stream's block from another thread's
+/// stream cache, with no event and no wait (rather than waiting for every pending free as for out
+/// of memory).
+#[test]
+fn a_full_pool_gives_a_thread_its_streams_block_from_another_threads_cache() {
+    let dev = SimDevice::new(GIB);
+    let options = PoolOptions {
+        allow_growth: false,
+        ..PoolOptions::with_limit(2 * MIB)
+    };
+    let p = pool(&dev, options);
+    // This thread takes its stream cache first (a thread keeps its cache until it exits, in every
+    // pool), so that it cannot take the one the other thread gives back when it exits.
+    let other = pool(&dev, PoolOptions::with_limit(2 * MIB));
+    drop(alloc(&other, C, 4096).unwrap());
+    dev.enqueue(C);
+    let at = std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                let x = alloc(&p, C, 2 * MIB).unwrap();
+                let at = x.device_address();
+                drop(x); // Into this thread's cache.
+                at
+            })
+            .join()
+            .unwrap()
+    });
+    assert_eq!(p.stats().pending_blocks, 1);
+    let y = alloc(&p, C, 2 * MIB).unwrap();
+    assert_eq!(y.device_address(), at);
+    assert_eq!(
+        dev.recorded(C),
+        0,
+        "no event: the block was the stream's own"
+    );
+    assert_eq!(dev.completed(C), 0, "no wait for the stream's work");
+    drop(y);
+    p.check().unwrap();
+}
+
+/// A miss on a full engine that another thread's cache serves (a block of the miss's own stream)
+/// still closes the other streams whose blocks came out of the caches for it: an idle one's go back
+/// to the engine at once, a busy one's get an event. (They stayed open in their queues, until some
+/// later miss or a trim.)
+#[test]
+fn a_miss_on_a_full_engine_served_from_another_threads_cache_closes_the_drained_streams() {
+    for busy in [false, true] {
+        let dev = SimDevice::new(GIB);
+        let options = PoolOptions {
+            allow_growth: false,
+            ..PoolOptions::with_limit(8 * MIB)
+        };
+        let p = pool(&dev, options);
+        // This thread takes its cache first; another thread's cache keeps a block of C (and goes
+        // on to a later thread with it).
+        drop(alloc(&p, D, MIB).unwrap());
+        std::thread::scope(|s| {
+            s.spawn(|| drop(alloc(&p, C, MIB).unwrap()));
+        });
+        // This thread's cache: seven of D, which fill the engine.
+        let d: Vec<_> = (0..7).map(|_| alloc(&p, D, MIB).unwrap()).collect();
+        if busy {
+            dev.enqueue(D);
+        }
+        drop(d);
+        assert_eq!(p.stats().pending_blocks, 8);
+        let x = alloc(&p, C, MIB).unwrap();
+        let st = p.stats();
+        if busy {
+            assert_eq!(dev.recorded(D), 1, "D's blocks were not closed");
+            assert_eq!(st.pending_blocks, 7);
+            // The next call on the lock sees the event complete (and its block goes to the cache).
+            dev.complete(D);
+            drop(alloc(&p, C, MIB).unwrap());
+        } else {
+            assert_eq!(dev.recorded(D), 0);
+        }
+        let in_cache = usize::from(busy);
+        assert_eq!(
+            (p.stats().pending_blocks, p.stats().allocator.bytes_in_use),
+            (in_cache, (1 + in_cache) * MIB),
+            "busy: {busy}: D's blocks are still pending"
+        );
+        drop(x);
+        p.synchronize();
+        p.check().unwrap();
+    }
+}
