@@ -531,8 +531,12 @@ fn a_stale_block_given_up_by_its_cache_waits_for_its_stream_before_another_reuse
     launch_spin_fill(&a, &f, &victim, 0xdead_beef, 1_000_000_000);
     drop(victim); // into the cache, while the kernel still runs on A
 
-    // Fill the cache with 15 blocks of stream C, then free 100 blocks of another size on C: each
-    // free finds the cache full, and once the victim is stale it takes the victim's place.
+    // Fill the cache with 15 blocks of stream C, then free 100 blocks of another size on C. The
+    // frees find the cache full, and go to C's queue, until the victim is stale (64 frees after
+    // its own, the pool's STALE_FREES: the 49th here); that free takes the victim's place, which
+    // goes to A's queue, and the rest hit the cache. (Were the victim still cached, B's miss
+    // below would drain it all the same: only the mutant check in the commit that added this test
+    // tells the two apart.)
     let small: Vec<DeviceBuffer<u32>> = (0..15)
         // SAFETY: never read.
         .map(|_| unsafe { pool.alloc::<u32>(&c, 1024) }.unwrap())

@@ -136,9 +136,9 @@ fn a_full_pool_gives_a_thread_its_streams_block_from_another_threads_cache() {
 }
 
 /// A miss on a full engine that another thread's cache serves (a block of the miss's own stream)
-/// still closes the other streams whose blocks came out of the caches for it: an idle one's go back
-/// to the engine at once, a busy one's get an event. (They stayed open in their queues, until some
-/// later miss or a trim.)
+/// still closes every stream whose blocks came out of the caches for it, its own too: an idle
+/// one's go back to the engine at once, a busy one's get an event. (They stayed open in their
+/// queues, until some later miss or a trim.)
 #[test]
 fn a_miss_on_a_full_engine_served_from_another_threads_cache_closes_the_drained_streams() {
     for busy in [false, true] {
@@ -148,24 +148,25 @@ fn a_miss_on_a_full_engine_served_from_another_threads_cache_closes_the_drained_
             ..PoolOptions::with_limit(8 * MIB)
         };
         let p = pool(&dev, options);
-        // This thread takes its cache first; another thread's cache keeps a block of C (and goes
-        // on to a later thread with it).
+        // This thread takes its cache first; another thread's cache keeps two blocks of C, of
+        // 1 and 2 MiB (and goes on to a later thread with them).
         drop(alloc(&p, D, MIB).unwrap());
         std::thread::scope(|s| {
-            s.spawn(|| drop(alloc(&p, C, MIB).unwrap()));
+            s.spawn(|| drop((alloc(&p, C, MIB).unwrap(), alloc(&p, C, 2 * MIB).unwrap())));
         });
-        // This thread's cache: seven of D, which fill the engine.
-        let d: Vec<_> = (0..7).map(|_| alloc(&p, D, MIB).unwrap()).collect();
+        // This thread's cache: five of D, which fill the engine.
+        let d: Vec<_> = (0..5).map(|_| alloc(&p, D, MIB).unwrap()).collect();
         if busy {
             dev.enqueue(D);
         }
         drop(d);
-        assert_eq!(p.stats().pending_blocks, 8);
+        assert_eq!(p.stats().pending_blocks, 7);
+        // Served by C's 1 MiB block; the 2 MiB one (C is idle) goes back to the engine.
         let x = alloc(&p, C, MIB).unwrap();
         let st = p.stats();
         if busy {
             assert_eq!(dev.recorded(D), 1, "D's blocks were not closed");
-            assert_eq!(st.pending_blocks, 7);
+            assert_eq!(st.pending_blocks, 5, "C's 2 MiB block is still pending");
             // The next call on the lock sees the event complete (and its block goes to the cache).
             dev.complete(D);
             drop(alloc(&p, C, MIB).unwrap());
@@ -176,7 +177,7 @@ fn a_miss_on_a_full_engine_served_from_another_threads_cache_closes_the_drained_
         assert_eq!(
             (p.stats().pending_blocks, p.stats().allocator.bytes_in_use),
             (in_cache, (1 + in_cache) * MIB),
-            "busy: {busy}: D's blocks are still pending"
+            "busy: {busy}: D's or C's blocks are still pending"
         );
         drop(x);
         p.synchronize();

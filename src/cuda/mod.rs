@@ -57,11 +57,13 @@
 //!    threads share.
 //! 3. A's open blocks (and those whose event could not be recorded) are *closed* together: if A is
 //!    idle (all its queued work has finished), every pending block of A goes straight back to the
-//!    engine; otherwise one event is recorded on A for all of them. This
-//!    happens when A misses (none of its pending blocks fits a request), when another stream misses,
-//!    the engine has no free chunk for it and one of A's open blocks is large enough (or some
-//!    came out of a stream cache for that miss), when A has more than [`OPEN_LIMIT`] open blocks, and on [`trim`](DevicePool::trim),
-//!    [`synchronize`](DevicePool::synchronize), out-of-memory and the pool's drop. An event recorded
+//!    engine; otherwise one event is recorded on A for all of them. This happens: when A misses
+//!    (none of its pending blocks fits a request); when a stream misses and the engine has no free
+//!    chunk for it, if some of A's open blocks came out of a stream cache for that miss or (unless
+//!    the missing stream's own blocks from the caches served it) one of A's open blocks is large
+//!    enough; when A has more than [`OPEN_LIMIT`] open blocks; and on
+//!    [`trim`](DevicePool::trim), [`synchronize`](DevicePool::synchronize), out-of-memory and the
+//!    pool's drop. An event recorded
 //!    later than the free covers all the work queued before it, so this only delays the release.
 //! 4. A closed block goes back to the engine, for every stream, once its event has completed.
 //!    Pending events are polled on every allocation and free that takes the pool's lock: the

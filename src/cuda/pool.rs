@@ -1216,11 +1216,12 @@ impl<B: DeviceBackend> Shared<B> {
             let mut moved = Vec::new();
             closed |= drain(&self.caches, &mut st, Some(&mut moved));
             // Other threads' caches may have held this stream's blocks: they are its own, with no
-            // wait. (The other streams' blocks that came out of the caches are closed all the
-            // same, as below: they are the ones a full engine needs back.)
+            // wait. (The blocks that came out of the caches are closed all the same, as below:
+            // they are the ones a full engine needs back. Other streams' open blocks that are
+            // large enough are left open: this request did not need them.)
             if let Some((p, size)) = st.take_pending(sid, bytes, align) {
                 st.reuses += 1;
-                st.close_where(|other, _| other != sid && moved.contains(&other));
+                st.close_where(|other, _| moved.contains(&other));
                 return Ok((p as u64, size));
             }
             // Also the streams of the blocks that came out of the caches (this one's too), at once
