@@ -294,6 +294,20 @@ struct StreamCache<B: DeviceBackend> {
     pool: Option<Arc<Shared<B>>>,
 }
 
+impl<B: DeviceBackend> StreamCache<B> {
+    /// Counts a free for this cache and makes its block, stamped with the count.
+    fn stamped(&mut self, sid: u64, ptr: u64, size: usize, stream: B::Stream) -> Cached<B::Stream> {
+        self.frees += 1;
+        Cached {
+            sid,
+            ptr: ptr as usize,
+            size,
+            stream,
+            stamp: self.frees,
+        }
+    }
+}
+
 /// Ends one buffer's count in its stream cache when dropped, and lets the pool go if that was its
 /// last reference.
 struct CountEnd<'a, B: DeviceBackend> {
@@ -1216,20 +1230,19 @@ impl<B: DeviceBackend> Shared<B> {
             let mut moved = Vec::new();
             closed |= drain(&self.caches, &mut st, Some(&mut moved));
             // Other threads' caches may have held this stream's blocks: they are its own, with no
-            // wait. (The blocks that came out of the caches are closed all the same, as below:
-            // they are the ones a full engine needs back. Other streams' open blocks that are
-            // large enough are left open: this request did not need them.)
-            if let Some((p, size)) = st.take_pending(sid, bytes, align) {
+            // wait.
+            let taken = st.take_pending(sid, bytes, align);
+            // Then the streams of the blocks that came out of the caches (this one's too), at once
+            // where the stream is idle: a miss leaves its cache alone, so blocks its thread no
+            // longer asks for wait there for a full engine. If this stream's own blocks did not
+            // serve the request, also other streams' open blocks that could.
+            closed |= st.close_where(|other, size| {
+                moved.contains(&other) || (taken.is_none() && other != sid && size >= bytes)
+            });
+            if let Some((p, size)) = taken {
                 st.reuses += 1;
-                st.close_where(|other, _| moved.contains(&other));
                 return Ok((p as u64, size));
             }
-            // Also the streams of the blocks that came out of the caches (this one's too), at once
-            // where the stream is idle: a miss leaves its cache alone, so blocks its thread no
-            // longer asks for wait there for a full engine.
-            closed |= st.close_where(|other, size| {
-                moved.contains(&other) || (other != sid && size >= bytes)
-            });
         }
         if engine_full {
             // Before the pool grows: every stream's completed batches.
@@ -1312,15 +1325,8 @@ impl<B: DeviceBackend> Shared<B> {
             let cached = {
                 let mut c = cache.lock().unwrap_or_else(PoisonError::into_inner);
                 if c.blocks.len() < STREAM_CACHE_BLOCKS {
-                    c.frees += 1;
-                    let stamp = c.frees;
-                    c.blocks.push(Cached {
-                        sid,
-                        ptr: ptr as usize,
-                        size,
-                        stream,
-                        stamp,
-                    });
+                    let block = c.stamped(sid, ptr, size, stream);
+                    c.blocks.push(block);
                     // (The count ends here, under the lock already held.)
                     core::mem::forget(count_end);
                     Ok(uncount(&mut c, handles))
@@ -1388,14 +1394,7 @@ impl<B: DeviceBackend> Shared<B> {
                     .cache(index)
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner);
-                c.frees += 1;
-                let block = Cached {
-                    sid,
-                    ptr: ptr as usize,
-                    size,
-                    stream,
-                    stamp: c.frees,
-                };
+                let block = c.stamped(sid, ptr, size, stream);
                 if c.blocks.len() < STREAM_CACHE_BLOCKS {
                     // (It had room again.)
                     c.blocks.push(block);
