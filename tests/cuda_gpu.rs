@@ -427,10 +427,7 @@ fn a_freed_block_goes_to_b_after_a_late_use_on_x(
 ) {
     let _gpu = serial();
     let n = 4 * MIB;
-    let Some(pool) = pool(PoolOptions {
-        allow_growth: false,
-        ..PoolOptions::with_limit(32 * MIB)
-    }) else {
+    let Some(pool) = pool_for_two_buffers() else {
         return;
     };
     let ctx = pool.context();
@@ -449,20 +446,42 @@ fn a_freed_block_goes_to_b_after_a_late_use_on_x(
     let addr = victim.device_address();
     late_use(&f, &streams, &on_x, &mut victim);
     drop(victim);
-    let new = pool.clone_htod(&b, &vec![0x1234_5678u32; n]).unwrap();
+    let new = next_owner_keeps_its_data(&pool, &b, n, addr, what);
+    drop((on_x, new));
+    settle(&pool);
+}
+
+/// A pool of one 32 MiB region, which does not grow: room for two buffers of 4 Mi u32.
+fn pool_for_two_buffers() -> Option<DevicePool> {
+    pool(PoolOptions {
+        allow_growth: false,
+        ..PoolOptions::with_limit(32 * MIB)
+    })
+}
+
+/// Stream `b` fills a new buffer of `n` u32, which must take the freed block at `addr`; once the
+/// context is idle, the buffer must still hold that fill (`what` names the use that would have
+/// overwritten it). Returns the buffer.
+fn next_owner_keeps_its_data(
+    pool: &DevicePool,
+    b: &Arc<CudaStream>,
+    n: usize,
+    addr: u64,
+    what: &str,
+) -> DeviceBuffer<u32> {
+    let new = pool.clone_htod(b, &vec![0x1234_5678u32; n]).unwrap();
     assert_eq!(
         new.device_address(),
         addr,
         "the test must reuse the freed block"
     );
-    ctx.synchronize().unwrap();
+    pool.context().synchronize().unwrap();
     let back = b.clone_dtoh(&new).unwrap();
     assert!(
         back.iter().all(|&v| v == 0x1234_5678),
         "{what} overwrote the block's next owner"
     );
-    drop((on_x, new));
-    settle(&pool);
+    new
 }
 
 /// The victim's home stream and stream X of [`a_freed_block_goes_to_b_after_a_late_use_on_x`].
@@ -507,10 +526,7 @@ fn a_free_after_the_home_stream_waits_for_a_kernel_elsewhere_is_not_reused_early
 fn a_stale_block_given_up_by_its_cache_waits_for_its_stream_before_another_reuses_it() {
     let _gpu = serial();
     let n = 4 * MIB; // u32: 16 MiB
-    let Some(pool) = pool(PoolOptions {
-        allow_growth: false,
-        ..PoolOptions::with_limit(32 * MIB)
-    }) else {
+    let Some(pool) = pool_for_two_buffers() else {
         return;
     };
     let ctx = pool.context();
@@ -547,18 +563,7 @@ fn a_stale_block_given_up_by_its_cache_waits_for_its_stream_before_another_reuse
         drop(unsafe { pool.alloc::<u32>(&c, 2048) }.unwrap());
     }
 
-    let new = pool.clone_htod(&b, &vec![0x1234_5678u32; n]).unwrap();
-    assert_eq!(
-        new.device_address(),
-        addr,
-        "the test must reuse the victim's block"
-    );
-    ctx.synchronize().unwrap();
-    let back = b.clone_dtoh(&new).unwrap();
-    assert!(
-        back.iter().all(|&v| v == 0x1234_5678),
-        "stream A's kernel overwrote the block's next owner on stream B"
-    );
+    let new = next_owner_keeps_its_data(&pool, &b, n, addr, "stream A's kernel");
     drop((blocker, new));
     settle(&pool);
 }

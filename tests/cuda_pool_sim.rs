@@ -16,30 +16,9 @@ use rng::Rng;
 mod sim_bufs;
 use sim_bufs::AnyBuf;
 
-const MIB: usize = 1 << 20;
-const GIB: usize = 1 << 30;
-
-type Pool = DevicePool<SimBackend>;
-
-fn pool(dev: &SimDevice, options: PoolOptions) -> Pool {
-    DevicePool::with_backend(dev.backend(), options).unwrap()
-}
-
-fn alloc(
-    pool: &Pool,
-    s: SimStream,
-    bytes: usize,
-) -> Result<DeviceBuffer<u8, SimBackend>, PoolError> {
-    // SAFETY: simulated memory is never read.
-    unsafe { pool.alloc::<u8>(&s, bytes) }
-}
-
-const A: SimStream = SimStream(1);
-const B: SimStream = SimStream(2);
-const C: SimStream = SimStream(3);
-
-/// A stream that takes stream caches (see `SimBackend::same_stream`), like `C`.
-const D: SimStream = SimStream(4);
+#[path = "common/sim_pool.rs"]
+mod sim_pool;
+use sim_pool::{alloc, pool, Pool, A, B, C, D, GIB, MIB};
 
 /// Runs `body` with two streams that take the pool's lock for every call (`A` and `B`: the
 /// simulator gives streams 0 to 2 no stream cache), and again with two that take stream caches

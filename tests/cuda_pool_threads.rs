@@ -3,31 +3,11 @@
 //! held), so these run in a binary of their own: among the other simulator tests, a machine that
 //! runs 63 tests or more at once could leave two of their threads sharing a cache.
 
-use bfc_alloc::cuda::{
-    DeviceBuffer, DevicePool, PoolError, PoolOptions, SimBackend, SimDevice, SimStream,
-};
+use bfc_alloc::cuda::{DeviceBuffer, PoolOptions, SimBackend, SimDevice};
 
-const MIB: usize = 1 << 20;
-const GIB: usize = 1 << 30;
-
-type Pool = DevicePool<SimBackend>;
-
-fn pool(dev: &SimDevice, options: PoolOptions) -> Pool {
-    DevicePool::with_backend(dev.backend(), options).unwrap()
-}
-
-fn alloc(
-    pool: &Pool,
-    s: SimStream,
-    bytes: usize,
-) -> Result<DeviceBuffer<u8, SimBackend>, PoolError> {
-    // SAFETY: simulated memory is never read.
-    unsafe { pool.alloc::<u8>(&s, bytes) }
-}
-
-/// Streams that take stream caches (see `SimBackend::same_stream`).
-const C: SimStream = SimStream(3);
-const D: SimStream = SimStream(4);
+#[path = "common/sim_pool.rs"]
+mod sim_pool;
+use sim_pool::{alloc, pool, Pool, C, D, GIB, MIB};
 
 /// Two threads on one stream each keep their frees in their own stream cache, and each reuses its
 /// own without the pool's lock: the second thread's first allocation does not get the first's
