@@ -1201,7 +1201,7 @@ fn the_free_top_is_trimmed_with_hysteresis() {
 }
 
 /// With much memory in use, interior frees do not start a sweep after 16 thresholds: the
-/// interval grows with the bytes in use. (The factor, four, is not pinned here: reaching it
+/// interval grows with the bytes in use. (The factor, eight, is not pinned here: reaching it
 /// with interior frees needs more freed than kept.)
 #[test]
 fn sweeps_wait_longer_when_much_memory_is_in_use() {
