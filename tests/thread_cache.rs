@@ -19,6 +19,27 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The object that `malloc` resolves to, when it is not the C library's: a sanitizer runtime (ASan,
+/// TSan: linked into the executable) or a memory checker (valgrind: preloaded). ASan and TSan keep
+/// memory of their own for every thread that ever ran (ASan's quarantine batches, TSan's trace), so
+/// process RSS grows with the number of threads whatever this allocator does: 55 MiB (ASan) and
+/// 18 MiB (TSan, as much as with the system allocator) over 9,000 threads, while this allocator's
+/// counts stay flat.
+fn malloc_interposer() -> Option<String> {
+    // SAFETY: `dlsym` with `RTLD_DEFAULT` and a NUL-terminated name only looks the symbol up;
+    // `dladdr` fills the zeroed `Dl_info` it is given, whose `dli_fname` (if not null) is a
+    // NUL-terminated path owned by the loader.
+    unsafe {
+        let malloc = libc::dlsym(libc::RTLD_DEFAULT, c"malloc".as_ptr());
+        let mut info: libc::Dl_info = core::mem::zeroed();
+        if malloc.is_null() || libc::dladdr(malloc, &mut info) == 0 || info.dli_fname.is_null() {
+            return None;
+        }
+        let file = core::ffi::CStr::from_ptr(info.dli_fname).to_string_lossy();
+        (!file.contains("libc.so")).then(|| file.into_owned())
+    }
+}
+
 fn rss_bytes() -> usize {
     let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
     let pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
@@ -71,12 +92,18 @@ fn ten_thousand_short_lived_threads_keep_rss_flat() {
         s1.bytes_cached
     );
     // Each exited thread's cache went back: nothing accumulates per thread.
-    assert!(
-        rss1 < rss0 + (8 << 20),
-        "RSS grew from {} KiB to {} KiB over 9,000 threads",
-        rss0 >> 10,
-        rss1 >> 10
-    );
+    match malloc_interposer() {
+        Some(file) => println!(
+            "RSS not checked: malloc comes from {file} (a sanitizer or checker), \
+             whose runtime keeps memory for every thread"
+        ),
+        None => assert!(
+            rss1 < rss0 + (8 << 20),
+            "RSS grew from {} KiB to {} KiB over 9,000 threads",
+            rss0 >> 10,
+            rss1 >> 10
+        ),
+    }
     assert!(
         s1.bytes_in_use < s0.bytes_in_use + (1 << 20),
         "{s0:?} -> {s1:?}"
