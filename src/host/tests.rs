@@ -937,6 +937,67 @@ fn interior_frees_are_swept_once_they_stay_free() {
     assert_eq!(a.check(), Ok(()));
 }
 
+/// With much memory in use the sweep interval is a multiple of it ([`SWEEP_AFTER_IN_USE`], 8), and a
+/// block that stays free still goes back at the second sweep: 16 MiB in use, a 2 MiB block freed
+/// once, then 3 MiB blocks churned elsewhere. With about 16.1 MiB in use at each free, sweeps come
+/// every 129 MiB freed: the first marks `x`, the second returns it. (Fails with a factor of 16, or
+/// with no sweeps.)
+#[test]
+#[cfg_attr(miri, ignore = "Miri has no mincore")]
+fn a_block_that_stays_free_goes_back_at_the_second_sweep_when_much_is_in_use() {
+    let a = big_instance();
+    let mb = 1 << 20;
+    let live = Layout::from_size_align(16 * mb, 4096).unwrap();
+    let la = Layout::from_size_align(2 * mb, 4096).unwrap();
+    let lb = Layout::from_size_align(3 * mb, 4096).unwrap();
+    let guard = Layout::from_size_align(64 << 10, 4096).unwrap();
+    // SAFETY: non-zero sizes.
+    let (l, x, g1, mut y, g2) = unsafe {
+        (
+            a.alloc(live),
+            a.alloc(la),
+            a.alloc(guard),
+            a.alloc(lb),
+            a.alloc(guard),
+        )
+    };
+    assert!([l, x, g1, y, g2].iter().all(|p| !p.is_null()));
+    // SAFETY: `x` holds `2 * mb` bytes; it came from `a.alloc(la)`.
+    unsafe {
+        x.write_bytes(0xa5, 2 * mb);
+        a.dealloc(x, la);
+    }
+    let mut churn = |n: usize| {
+        for _ in 0..n {
+            // SAFETY: `y` holds `3 * mb` bytes; it came from `a.alloc(lb)`.
+            unsafe {
+                y.write_bytes(1, 3 * mb);
+                a.dealloc(y, lb);
+                y = a.alloc(lb);
+            }
+            assert!(!y.is_null());
+        }
+    };
+    // 122 MiB freed: no sweep yet, so `x` keeps its pages.
+    churn(40);
+    assert_eq!(resident_pages(x, 2 * mb), 2 * mb / os::page_size());
+    // 302 MiB freed in all: two sweeps, the second returns `x`.
+    churn(60);
+    assert_eq!(
+        resident_pages(x, 2 * mb),
+        0,
+        "a long-free block kept its pages"
+    );
+    // SAFETY: from `a.alloc`.
+    unsafe {
+        a.dealloc(y, lb);
+        a.dealloc(g1, guard);
+        a.dealloc(g2, guard);
+        a.dealloc(l, live);
+    }
+    assert_eq!(a.check(), Ok(()));
+}
+
 #[test]
 fn zeroed_blocks_below_the_end_of_touched_memory_are_zero() {
     let a = small_instance();
