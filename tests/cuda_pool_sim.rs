@@ -1494,7 +1494,9 @@ fn same_stream_reuse_refuses_a_block_the_engine_would_split_by_one_granule() {
     });
 }
 
-/// Same-stream reuse that empties a batch with an event hands the event back at once.
+/// Same-stream reuse that empties a batch with an event hands the event back at the next call on
+/// the pool's lock (not while the allocation holds the block: see
+/// `a_panic_recycling_the_event_of_a_batch_a_reuse_emptied_loses_no_block`).
 #[test]
 fn reusing_the_last_block_of_a_closed_batch_recycles_its_event() {
     let dev = SimDevice::new(GIB);
@@ -1510,9 +1512,18 @@ fn reusing_the_last_block_of_a_closed_batch_recycles_its_event() {
     assert_eq!(p.stats().pending_blocks, 0);
     assert_eq!(
         dev.events_recycled(),
+        0,
+        "recycled while the block was in hand"
+    );
+    let z = alloc(&p, B, MIB).unwrap();
+    assert_eq!(
+        dev.events_recycled(),
         1,
         "the emptied batch's event was not recycled"
     );
+    assert_eq!(dev.recorded(A), 1);
+    drop((y, z));
+    p.check().unwrap();
 }
 
 /// A miss on a stream whose pending blocks all have their event records no new event.
@@ -1781,6 +1792,8 @@ unsafe impl bfc_alloc::cuda::DeviceBackend for CountingBackend {
             !PANIC_IN_EVENT_SYNC.with(std::cell::Cell::get),
             "a back end panicked waiting for an event"
         );
+        let at = EVENT_SYNC_PANICS_AT.with(|f| f.replace(f.get().saturating_sub(1)));
+        assert_ne!(at, 1, "a back end panicked waiting for an event");
         self.0.event_sync(e)
     }
     fn recycle_event(&mut self, e: bfc_alloc::cuda::SimEvent) {
@@ -1829,6 +1842,9 @@ std::thread_local! {
     static PANIC_IN_SAME_STREAM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Makes `CountingBackend` panic in `recycle_event` on this thread.
     static PANIC_IN_RECYCLE_EVENT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Makes `CountingBackend` panic in the `event_sync` call this many calls from now on this
+    /// thread (1: the next one; 0: none).
+    static EVENT_SYNC_PANICS_AT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// A back end that panics recycling the event of a stream's last batch, when a poll (or a
@@ -1868,6 +1884,81 @@ fn a_panic_recycling_an_event_keeps_the_empty_queue_count() {
         p.synchronize();
         p.check().unwrap();
     }
+}
+
+/// A stream's allocation that takes the last block of one of its batches with an event calls no
+/// back end while it holds that block: the event goes back at the next poll, so a back end that
+/// panics recycling it loses no block (the panic comes from the next call on the pool's lock, with
+/// the block already in a buffer). Once the back end behaves, everything goes back to the engine.
+/// (From a review: the event was recycled before the block was handed out, and a panic there lost
+/// the block.)
+#[test]
+fn a_panic_recycling_the_event_of_a_batch_a_reuse_emptied_loses_no_block() {
+    let dev = SimDevice::new(GIB);
+    let p = counting_pool(&dev, 64 * MIB);
+    let a = Counted(A, Arc::new(()));
+    let x = counted_alloc(&p, &a, MIB);
+    let x_at = x.device_address();
+    dev.enqueue(A);
+    drop(x);
+    p.trim(); // A is busy: x's batch gets an event.
+    PANIC_IN_RECYCLE_EVENT.with(|f| f.set(true));
+    let taken =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| counted_alloc(&p, &a, MIB)));
+    let later = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.trim()));
+    PANIC_IN_RECYCLE_EVENT.with(|f| f.set(false));
+    let y = taken.expect("the allocation that took x's block called the back end");
+    assert_eq!(y.device_address(), x_at);
+    assert!(later.is_err(), "the emptied batch's event was not recycled");
+    drop(y);
+    dev.complete_all();
+    p.synchronize();
+    p.check().unwrap();
+    let s = p.stats();
+    assert_eq!((s.pending_blocks, s.allocator.bytes_in_use), (0, 0));
+}
+
+/// A back end that panics waiting for the second of a stream's events in a synchronisation, after
+/// the first one's wait failed, leaves the stream's batches in their order (events first): so
+/// once the work is done and the driver works again, a trim returns them all. (From a review: the
+/// synchronisation turned each queue around in place, and a panic half-way left the batch with
+/// the failed wait behind an unordered one, where no poll looked at it again.)
+#[test]
+fn a_panic_half_way_through_a_synchronisation_keeps_the_queue_in_order() {
+    let dev = SimDevice::new(GIB);
+    let p = counting_pool(&dev, 64 * MIB);
+    let a = Counted(A, Arc::new(()));
+    for size in [MIB, 2 * MIB] {
+        let x = counted_alloc(&p, &a, size);
+        dev.enqueue(A);
+        drop(x);
+        p.trim(); // A is busy: one batch with an event per block.
+    }
+    drop(counted_alloc(&p, &a, 3 * MIB)); // An open block.
+    assert_eq!(p.stats().pending_blocks, 3);
+    // The synchronisation: the open block's event is refused (an unordered batch), the device
+    // waits fail, the first event's wait fails, the second one's panics.
+    dev.set_fail_event_record(true);
+    dev.set_fail_synchronize(true);
+    dev.set_fail_event_queries(true);
+    EVENT_SYNC_PANICS_AT.with(|f| f.set(2));
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.synchronize()));
+    EVENT_SYNC_PANICS_AT.with(|f| f.set(0));
+    dev.set_fail_event_record(false);
+    dev.set_fail_synchronize(false);
+    dev.set_fail_event_queries(false);
+    assert!(panicked.is_err());
+    assert_eq!(p.stats().pending_blocks, 3);
+    dev.complete_all();
+    p.trim();
+    let s = p.stats();
+    assert_eq!(
+        (s.pending_blocks, s.pending_bytes, s.allocator.bytes_in_use),
+        (0, 0, 0),
+        "blocks left pending after the work finished"
+    );
+    p.check().unwrap();
+    drop(p.take_errors());
 }
 
 /// A back end that panics while the pool waits for a batch's event (in a synchronisation) loses

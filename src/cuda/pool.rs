@@ -526,6 +526,10 @@ pub(crate) struct State<B: DeviceBackend> {
     /// The queue the next poll looks at first (see [`POLL_QUEUES`]).
     poll_cursor: usize,
     spares: Spares<B::Event>,
+    /// Events of batches that a stream's own allocation emptied, for the back end to take back at
+    /// the next poll: while the allocation holds the block it took, the pool calls no back end
+    /// (which may panic, and the block would be lost with it).
+    retired: Vec<B::Event>,
     /// Blocks freed while the driver could neither order nor wait for their uses: kept in use in
     /// the engine forever.
     stranded_bytes: usize,
@@ -677,6 +681,14 @@ impl<B: DeviceBackend> State<B> {
     fn recycle(&mut self, order: Order<B::Event>) {
         if let Order::Event(e) = order {
             self.event_batches -= 1;
+            self.backend().recycle_event(e);
+        }
+    }
+
+    /// Hands the back end the events of batches that [`take_pending`](Self::take_pending)
+    /// emptied.
+    fn recycle_retired(&mut self) {
+        while let Some(e) = self.retired.pop() {
             self.backend().recycle_event(e);
         }
     }
@@ -858,6 +870,7 @@ impl<B: DeviceBackend> State<B> {
     /// queried until its first unfinished event. Drops the empty queues if there are more than
     /// [`KEPT_QUEUES`].
     fn poll(&mut self, most: usize) {
+        self.recycle_retired();
         debug_assert_eq!(
             self.empty_queues,
             self.queues.iter().filter(|q| q.batches.is_empty()).count(),
@@ -913,6 +926,7 @@ impl<B: DeviceBackend> State<B> {
     /// cannot be waited for (the driver fails both the event and a device-wide synchronisation) stays
     /// pending.
     fn flush_pending(&mut self) {
+        self.recycle_retired();
         if self.queues.is_empty() {
             return;
         }
@@ -930,66 +944,96 @@ impl<B: DeviceBackend> State<B> {
             }
         }
         for qi in 0..self.queues.len() {
-            // Each batch once, in place (the queue keeps its storage for reuse). A batch leaves its
-            // queue only after the back end was called for it, so a back end that panics leaves
-            // it pending, not lost.
-            for _ in 0..self.queues[qi].batches.len() {
-                let Some(front) = self.queues[qi].batches.front() else {
-                    break;
-                };
-                let waited = match &front.order {
-                    _ if device_synced => Ok(true),
-                    Order::Event(ev) => self.bfc.source_mut().backend.event_sync(ev).map(|()| true),
-                    Order::Open | Order::Unordered => Ok(false),
-                };
-                let ok = waited.unwrap_or_else(|e| {
-                    self.defer(PoolError::Backend(e));
-                    match self.backend().synchronize() {
-                        Ok(()) => {
-                            device_synced = true;
-                            true
-                        }
-                        Err(e) => {
-                            self.defer(PoolError::Backend(e));
-                            false
-                        }
-                    }
-                });
-                let Some(b) = self.queues[qi].batches.pop_front() else {
-                    break;
-                };
-                if ok {
-                    // (Counted before the back end recycles the batch's event, which may panic.)
-                    if self.queues[qi].batches.is_empty() {
-                        self.empty_queues += 1;
-                    }
-                    self.release_batch(b);
-                } else {
-                    self.queues[qi].batches.push_back(b);
-                }
+            self.flush_queue(qi, &mut device_synced);
+        }
+        if device_synced {
+            // (A synchronisation part-way also covers the queues before it.)
+            for qi in 0..self.queues.len() {
+                self.flush_queue(qi, &mut device_synced);
             }
         }
         self.drop_empty_queues();
     }
 
-    /// Takes a pending block of `stream` that fits `bytes` at `align` as a whole block would (the
-    /// engine would not split it): the smallest among the stream's [`TAKE_SCAN`] most recently
-    /// freed pending blocks (an exact fit ends the search), so a stream with thousands of pending
-    /// frees pays a bounded scan.
-    fn take_pending(&mut self, stream: u64, bytes: usize, align: usize) -> Option<(usize, usize)> {
+    /// Waits for the work of queue `qi`'s batches (unless the device was synchronised) and
+    /// returns those whose work is done to the engine. The back end is called for every batch
+    /// before any leaves the queue, and batches leave it one at a time, so a back end that panics
+    /// leaves every batch it did not return pending, in the queue's order.
+    fn flush_queue(&mut self, qi: usize, device_synced: &mut bool) {
+        let n = self.queues[qi].batches.len();
+        let mut done = Vec::with_capacity(if *device_synced { 0 } else { n });
+        for bi in 0..n {
+            if *device_synced {
+                break;
+            }
+            let waited = match &self.queues[qi].batches[bi].order {
+                Order::Event(ev) => self.bfc.source_mut().backend.event_sync(ev).map(|()| true),
+                Order::Open | Order::Unordered => Ok(false),
+            };
+            let ok = waited.unwrap_or_else(|e| {
+                self.defer(PoolError::Backend(e));
+                match self.backend().synchronize() {
+                    Ok(()) => {
+                        *device_synced = true;
+                        true
+                    }
+                    Err(e) => {
+                        self.defer(PoolError::Backend(e));
+                        false
+                    }
+                }
+            });
+            done.push(ok);
+        }
+        // From the back, so that the indices below stay put.
+        for bi in (0..n).rev() {
+            if *device_synced || done[bi] {
+                if let Some(b) = self.queues[qi].batches.remove(bi) {
+                    // (Counted before the back end recycles the batch's event, which may panic.)
+                    if self.queues[qi].batches.is_empty() {
+                        self.empty_queues += 1;
+                    }
+                    self.release_batch(b);
+                }
+            }
+        }
+    }
+
+    /// Where [`take_pending`](Self::take_pending) would find its block: (queue, batch, index).
+    fn find_pending(
+        &self,
+        stream: u64,
+        bytes: usize,
+        align: usize,
+    ) -> Option<(usize, usize, usize)> {
         let qi = self.queue_of(stream)?;
-        let q = &mut self.queues[qi];
         // Keyed by (batch, index in it).
-        let newest_first = q.batches.iter().enumerate().rev().flat_map(|(bi, b)| {
-            let blocks = b.blocks.iter().enumerate().rev();
-            blocks.map(move |(i, &(ptr, size))| ((bi, i), ptr, size))
-        });
+        let newest_first = self.queues[qi]
+            .batches
+            .iter()
+            .enumerate()
+            .rev()
+            .flat_map(|(bi, b)| {
+                let blocks = b.blocks.iter().enumerate().rev();
+                blocks.map(move |(i, &(ptr, size))| ((bi, i), ptr, size))
+            });
         let (bi, i) = best_fit(
             self.bfc.config(),
             bytes,
             align,
             newest_first.take(TAKE_SCAN),
         )?;
+        Some((qi, bi, i))
+    }
+
+    /// Takes a pending block of `stream` that fits `bytes` at `align` as a whole block would (the
+    /// engine would not split it): the smallest among the stream's [`TAKE_SCAN`] most recently
+    /// freed pending blocks (an exact fit ends the search), so a stream with thousands of pending
+    /// frees pays a bounded scan. Calls no back end: the event of a batch it empties waits in
+    /// [`State::retired`].
+    fn take_pending(&mut self, stream: u64, bytes: usize, align: usize) -> Option<(usize, usize)> {
+        let (qi, bi, i) = self.find_pending(stream, bytes, align)?;
+        let q = &mut self.queues[qi];
         let b = &mut q.batches[bi];
         let (ptr, size) = b.blocks.swap_remove(i);
         if b.blocks.is_empty() {
@@ -998,7 +1042,10 @@ impl<B: DeviceBackend> State<B> {
                 self.empty_queues += 1;
             }
             if let Some(b) = removed {
-                self.recycle(b.order);
+                if let Order::Event(e) = b.order {
+                    self.event_batches -= 1;
+                    self.retired.push(e);
+                }
                 self.spares.put_blocks(b.blocks);
             }
             // A queue left empty stays (see `State::queues`): a stream that frees the buffer it
@@ -1231,17 +1278,33 @@ impl<B: DeviceBackend> Shared<B> {
             closed |= drain(&self.caches, &mut st, Some(&mut moved));
             // Other threads' caches may have held this stream's blocks: they are its own, with no
             // wait.
-            let taken = st.take_pending(sid, bytes, align);
-            // Then the streams of the blocks that came out of the caches (this one's too), at once
-            // where the stream is idle: a miss leaves its cache alone, so blocks its thread no
-            // longer asks for wait there for a full engine. If this stream's own blocks did not
-            // serve the request, also other streams' open blocks that could.
-            closed |= st.close_where(|other, size| {
-                moved.contains(&other) || (taken.is_none() && other != sid && size >= bytes)
+            let found = st.find_pending(sid, bytes, align);
+            // This stream's open blocks besides the one that serves the request: with none, a
+            // close would record an event for nothing.
+            let others_open = found.map_or(0, |(qi, bi, _)| {
+                let q = &st.queues[qi];
+                q.open() - usize::from(!matches!(q.batches[bi].order, Order::Event(_)))
             });
-            if let Some((p, size)) = taken {
-                st.reuses += 1;
-                return Ok((p as u64, size));
+            // Then the streams of the blocks that came out of the caches (this one's too, if
+            // more of its blocks than the one that serves the request are open), at once where the
+            // stream is idle: a miss leaves its cache alone, so blocks its thread no longer asks
+            // for wait there for a full engine. If this stream's own blocks do not serve the
+            // request, also other streams' open blocks that could. (Before the take: the closes
+            // call the back end, which may panic, and a block in hand would be lost with it. A
+            // close keeps this stream's blocks in its queue, or returns them all to the engine if
+            // the stream is idle: either way they serve the request.)
+            closed |= st.close_where(|other, size| {
+                if other == sid {
+                    moved.contains(&sid) && (found.is_none() || others_open > 0)
+                } else {
+                    moved.contains(&other) || (found.is_none() && size >= bytes)
+                }
+            });
+            if found.is_some() {
+                if let Some((p, size)) = st.take_pending(sid, bytes, align) {
+                    st.reuses += 1;
+                    return Ok((p as u64, size));
+                }
             }
         }
         if engine_full {
@@ -1568,6 +1631,7 @@ impl<B: DeviceBackend> DevicePool<B> {
                         blocks: Vec::with_capacity(SPARES),
                         batches: Vec::with_capacity(SPARES),
                     },
+                    retired: Vec::new(),
                     stranded_bytes: 0,
                     reuses: 0,
                     errors: Vec::new(),
