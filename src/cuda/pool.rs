@@ -308,6 +308,10 @@ impl<B: DeviceBackend> StreamCache<B> {
     }
 }
 
+/// A stream cache's block for an allocation ([`Shared::take_cached`]): address, size, the buffer's
+/// handle, and the handle the block's free left if the buffer does not keep it.
+type CacheHit<S> = (usize, usize, S, Option<S>);
+
 /// Ends one buffer's count in its stream cache when dropped, and lets the pool go if that was its
 /// last reference.
 struct CountEnd<'a, B: DeviceBackend> {
@@ -1157,9 +1161,13 @@ impl<B: DeviceBackend> Shared<B> {
     }
 
     /// A block of stream `sid`'s cache `c` that serves `bytes` at `align` as a whole block would
-    /// (the smallest, the newest among equals), with the handle its free left, for the caller to
-    /// drop without the cache's lock: `(address, size, handle)`. `None` for a stream the back end
-    /// cannot compare.
+    /// (the smallest, the newest among equals): `(address, size, the buffer's handle, the handle
+    /// its free left if the buffer does not keep that one)`, for the caller to drop once the
+    /// buffer exists. The buffer keeps the handle the free left if it is the caller's (a clone of
+    /// it), and otherwise a clone of the caller's, made before the block leaves the cache: so a
+    /// handle that panics, cloned or compared, leaves the block cached, and one that panics
+    /// dropped, unwinds through a buffer that frees it. `None` for a stream the back end cannot
+    /// compare.
     fn take_cached(
         &self,
         c: &mut StreamCache<B>,
@@ -1167,7 +1175,7 @@ impl<B: DeviceBackend> Shared<B> {
         sid: u64,
         bytes: usize,
         align: usize,
-    ) -> Option<(usize, usize, B::Stream)> {
+    ) -> Option<CacheHit<B::Stream>> {
         if !B::same_stream(stream, stream) {
             return None;
         }
@@ -1179,14 +1187,22 @@ impl<B: DeviceBackend> Shared<B> {
             align,
             own.map(|(i, b)| (i, b.ptr, b.size)),
         )?;
+        // The buffer takes the caller's handle, not the one the free left, which may be another
+        // handle of the same stream (a borrowed wrapper of an owned stream, say): a buffer keeps
+        // the handle it was allocated on, and nothing the pool holds outlives a synchronisation.
+        let mine = (!B::same_handle(&c.blocks[i].stream, stream)).then(|| stream.clone());
         let b = c.blocks.remove(i);
         c.hits += 1;
-        Some((b.ptr, b.size, b.stream))
+        Some(match mine {
+            Some(mine) => (b.ptr, b.size, mine, Some(b.stream)),
+            None => (b.ptr, b.size, b.stream, None),
+        })
     }
 
     /// Allocates a block of at least `bytes` for use on `stream`: `(address, usable size, the
-    /// buffer's handle of `stream`, the buffer's reference to the pool)`, and counts the buffer in
-    /// the calling thread's stream cache (see [`PoolRef`]).
+    /// buffer's handle of `stream`, the buffer's reference to the pool, a handle for the caller to
+    /// drop once it has made the buffer)`, and counts the buffer in the calling thread's stream
+    /// cache (see [`PoolRef`]).
     #[allow(
         clippy::type_complexity,
         reason = "the parts of a buffer, which its caller makes"
@@ -1196,7 +1212,7 @@ impl<B: DeviceBackend> Shared<B> {
         stream: &B::Stream,
         bytes: usize,
         align: usize,
-    ) -> Result<(u64, usize, B::Stream, PoolRef<B>), PoolError> {
+    ) -> Result<(u64, usize, B::Stream, PoolRef<B>, Option<B::Stream>), PoolError> {
         let sid = B::stream_id(stream);
         let align = align.max(1);
         let index = thread_cache();
@@ -1218,29 +1234,16 @@ impl<B: DeviceBackend> Shared<B> {
             cache,
             handles: &this.handles.0,
         };
-        let (p, size, handle) = match hit {
-            // The handle the free left is the caller's (a clone of it): the buffer keeps it.
-            Some((p, size, cached)) if B::same_handle(&cached, stream) => (p as u64, size, cached),
-            Some((p, size, cached)) => {
-                // The buffer takes the caller's handle, not the one the free left, which may be
-                // another handle of the same stream (a borrowed wrapper of an owned stream, say):
-                // a buffer keeps the handle it was allocated on, and nothing the pool holds
-                // outlives a synchronisation. Dropped without any lock: the caller's handle names
-                // the same stream, so this is its last owning handle only if the caller's is a
-                // borrowed one whose owner is gone, which the borrowed stream's contract rules out.
-                drop(cached);
-                // (A clone that panics loses the block; CUDA's handles are `Arc`s, whose clone
-                // does not.)
-                (p as u64, size, stream.clone())
-            }
+        let (p, size, handle, leftover) = match hit {
+            Some((p, size, handle, leftover)) => (p as u64, size, handle, leftover),
             None => {
                 let handle = stream.clone();
                 let (p, size) = this.alloc_locked(stream, sid, bytes, align)?;
-                (p, size, handle)
+                (p, size, handle, None)
             }
         };
         core::mem::forget(counted);
-        Ok((p, size, handle, PoolRef::counted(this, index)))
+        Ok((p, size, handle, PoolRef::counted(this, index), leftover))
     }
 
     /// [`alloc_block`](Self::alloc_block) past the calling thread's stream cache, under the pool's
@@ -1688,9 +1691,16 @@ impl<B: DeviceBackend> DevicePool<B> {
         // (Made first: nothing between the count of the buffer and its making calls the back end's
         // code, which may panic.)
         let uses = B::Uses::default();
-        let (ptr, size, handle, pool) =
+        let (ptr, size, handle, pool, leftover) =
             Shared::alloc_block(&self.shared, stream, bytes, core::mem::align_of::<T>())?;
-        Ok(DeviceBuffer::new(ptr, len, size, handle, uses, pool))
+        let buffer = DeviceBuffer::new(ptr, len, size, handle, uses, pool);
+        // The handle a cached block's free left, if the buffer took the caller's instead: dropped
+        // without any lock, once the buffer exists (a drop that panics frees the buffer). The
+        // caller's handle names the same stream, so this is its last owning handle only if the
+        // caller's is a borrowed one whose owner is gone, which the borrowed stream's contract
+        // rules out.
+        drop(leftover);
+        Ok(buffer)
     }
 
     /// Returns to the engine every pending block whose work has finished, without waiting (the
