@@ -3,11 +3,16 @@
 //! held), so these run in a binary of their own: among the other simulator tests, a machine that
 //! runs 63 tests or more at once could leave two of their threads sharing a cache.
 
+use std::sync::Arc;
+
 use bfc_alloc::cuda::{DeviceBuffer, PoolOptions, SimBackend, SimDevice};
 
 #[path = "common/sim_pool.rs"]
 mod sim_pool;
 use sim_pool::{alloc, pool, Pool, C, D, GIB, MIB};
+#[path = "common/counting.rs"]
+mod counting;
+use counting::{counted_alloc, counting_pool, Counted, PANIC_IN_RECORD_EVENT};
 
 /// Two threads on one stream each keep their frees in their own stream cache, and each reuses its
 /// own without the pool's lock: the second thread's first allocation does not get the first's
@@ -163,4 +168,45 @@ fn a_miss_on_a_full_engine_served_from_another_threads_cache_closes_the_drained_
         p.synchronize();
         p.check().unwrap();
     }
+}
+
+/// A miss on a full engine that a block of its own stream from another thread's cache serves
+/// closes the other streams drained with it before it takes that block: a back end that panics
+/// recording their event loses no block (it stays pending in its stream's queue, and goes back to
+/// the engine once the work is done). (The take came first, and a panic in the closes lost the
+/// block in hand: its region was never given back.)
+#[test]
+fn a_panic_closing_the_streams_a_full_engine_miss_drained_loses_no_block() {
+    let dev = SimDevice::new(GIB);
+    let (c, d) = (Counted(C, Arc::new(())), Counted(D, Arc::new(())));
+    {
+        let p = counting_pool(&dev, 64 * MIB);
+        // This thread takes its stream cache first, so that it cannot take the other thread's.
+        let other = pool(&dev, PoolOptions::with_limit(2 * MIB));
+        drop(alloc(&other, C, 4096).unwrap());
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                // The pool's first region, 2 MiB, holds both.
+                let (x, w) = (counted_alloc(&p, &c, MIB), counted_alloc(&p, &d, MIB));
+                dev.enqueue(D);
+                drop((x, w)); // Into this thread's cache.
+            });
+        });
+        assert_eq!(p.stats().pending_blocks, 2);
+        assert_eq!(p.stats().allocator.bytes_reserved, 2 * MIB);
+        // The engine is full: the caches are drained, C's block serves the request, and D (busy)
+        // needs an event, whose recording panics.
+        PANIC_IN_RECORD_EVENT.with(|f| f.set(true));
+        let panicked =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| counted_alloc(&p, &c, MIB)));
+        PANIC_IN_RECORD_EVENT.with(|f| f.set(false));
+        assert!(panicked.is_err());
+        assert_eq!(p.stats().pending_blocks, 2, "a block was lost");
+        dev.complete_all();
+        p.trim();
+        p.check().unwrap();
+        let s = p.stats();
+        assert_eq!((s.pending_blocks, s.allocator.bytes_in_use), (0, 0));
+    }
+    assert_eq!(dev.bytes_live(), 0, "a region was kept");
 }
