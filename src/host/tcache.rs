@@ -493,11 +493,67 @@ pub(crate) fn with<R>(f: impl FnOnce(&ThreadCache) -> R) -> Option<R> {
 
 /// Makes sure the cache is flushed when the thread exits. Returns `false` if it cannot be (the
 /// thread is already exiting). May allocate (the runtime's destructor list).
+///
+/// Two hooks: the destructor of a thread-local ([`ExitFlush`]) and of a pthread key. glibc runs the
+/// thread-locals' destructors first, then the keys' (in passes, while keys are set again). A cache
+/// first bound inside a key's destructor (a thread started outside Rust, whose first allocation is
+/// there) registers its thread-local's destructor after they ran: it never would, and the cache,
+/// its blocks still counted, would stay in its heap's registry after the thread's storage went
+/// (with another thread at the same address, a cycle). The key, set then, runs in the next pass.
+/// Whichever runs second finds the cache flushed.
 pub(crate) fn register_exit_flush() -> bool {
     #[cfg(not(loom))]
-    return EXIT.try_with(|_| ()).is_ok();
+    {
+        if EXIT.try_with(|_| ()).is_err() {
+            return false;
+        }
+        if let Some(key) = exit_key() {
+            // SAFETY: `key` is a live key (never deleted once published). A non-null value makes
+            // its destructor run at thread exit. (A refusal, out of memory, leaves the thread-local's
+            // destructor alone, which suffices unless the thread is already exiting.)
+            unsafe {
+                libc::pthread_setspecific(key, core::ptr::NonNull::<u8>::dangling().as_ptr().cast())
+            };
+        }
+        true
+    }
     #[cfg(loom)]
     return true;
+}
+
+/// The process's exit-flush key plus one (0: none yet).
+#[cfg(not(loom))]
+static EXIT_KEY: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
+
+/// The pthread key whose destructor flushes the exiting thread's cache, made on first use. `None`
+/// if the system has no key left (then only the thread-local's destructor flushes).
+#[cfg(not(loom))]
+fn exit_key() -> Option<libc::pthread_key_t> {
+    use core::sync::atomic::Ordering::{AcqRel, Acquire};
+    let k = EXIT_KEY.load(Acquire);
+    if k != 0 {
+        return Some((k - 1) as libc::pthread_key_t);
+    }
+    let mut key: libc::pthread_key_t = 0;
+    // SAFETY: `key` is a valid place for the new key; the destructor is an `extern "C"` function
+    // that does not unwind.
+    if unsafe { libc::pthread_key_create(&mut key, Some(exit_key_destructor)) } != 0 {
+        return None;
+    }
+    match EXIT_KEY.compare_exchange(0, key as usize + 1, AcqRel, Acquire) {
+        Ok(_) => Some(key),
+        Err(won) => {
+            // Another thread made one first: this one was never set anywhere.
+            // SAFETY: `key` was just created and is not published.
+            unsafe { libc::pthread_key_delete(key) };
+            Some((won - 1) as libc::pthread_key_t)
+        }
+    }
+}
+
+#[cfg(not(loom))]
+extern "C" fn exit_key_destructor(_: *mut core::ffi::c_void) {
+    let _ = CACHE.try_with(super::on_thread_exit);
 }
 
 #[cfg(not(loom))]
