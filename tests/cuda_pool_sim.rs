@@ -1692,17 +1692,15 @@ fn a_panic_recycling_an_event_keeps_the_empty_queue_count() {
         p.trim(); // A is busy: one batch with an event, A's only one.
         assert_eq!(p.stats().pending_blocks, 1);
         dev.complete_all();
-        PANIC_IN_RECYCLE_EVENT.with(|f| f.set(true));
         // The poll of this allocation (or the synchronisation) returns A's batch and recycles its
         // event: a panic.
-        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let panicked = with_switch(&PANIC_IN_RECYCLE_EVENT, true, || {
             if in_synchronize {
                 p.synchronize();
             } else {
                 drop(counted_alloc(&p, &b, MIB));
             }
-        }));
-        PANIC_IN_RECYCLE_EVENT.with(|f| f.set(false));
+        });
         assert!(panicked.is_err());
         // A's queue is empty now. Calls on the pool's lock go on working.
         let y = counted_alloc(&p, &b, MIB);
@@ -1730,11 +1728,8 @@ fn a_panic_recycling_the_event_of_a_batch_a_reuse_emptied_loses_no_block() {
     dev.enqueue(A);
     drop(x);
     p.trim(); // A is busy: x's batch gets an event.
-    PANIC_IN_RECYCLE_EVENT.with(|f| f.set(true));
-    let taken =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| counted_alloc(&p, &a, MIB)));
-    let later = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.trim()));
-    PANIC_IN_RECYCLE_EVENT.with(|f| f.set(false));
+    let taken = with_switch(&PANIC_IN_RECYCLE_EVENT, true, || counted_alloc(&p, &a, MIB));
+    let later = with_switch(&PANIC_IN_RECYCLE_EVENT, true, || p.trim());
     let y = taken.expect("the allocation that took x's block called the back end");
     assert_eq!(y.device_address(), x_at);
     assert!(later.is_err(), "the emptied batch's event was not recycled");
@@ -1769,9 +1764,7 @@ fn a_panic_half_way_through_a_synchronisation_keeps_the_queue_in_order() {
     dev.set_fail_event_record(true);
     dev.set_fail_synchronize(true);
     dev.set_fail_event_queries(true);
-    EVENT_SYNC_PANICS_AT.with(|f| f.set(2));
-    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.synchronize()));
-    EVENT_SYNC_PANICS_AT.with(|f| f.set(0));
+    let panicked = with_switch(&EVENT_SYNC_PANICS_AT, 2, || p.synchronize());
     dev.set_fail_event_record(false);
     dev.set_fail_synchronize(false);
     dev.set_fail_event_queries(false);
@@ -1801,9 +1794,7 @@ fn a_panic_while_waiting_for_an_event_keeps_the_blocks_pending() {
         let x = counted_alloc(&p, &a, MIB);
         dev.enqueue(A);
         drop(x);
-        PANIC_IN_EVENT_SYNC.with(|f| f.set(true));
-        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.synchronize()));
-        PANIC_IN_EVENT_SYNC.with(|f| f.set(false));
+        let panicked = with_switch(&PANIC_IN_EVENT_SYNC, true, || p.synchronize());
         assert!(panicked.is_err());
         assert_eq!(p.stats().pending_blocks, 1, "the block is still pending");
         dev.complete_all();
@@ -1840,9 +1831,7 @@ fn a_panic_in_the_last_free_still_lets_the_pool_go() {
             dev.bytes_live() > region_of_x,
             "y's region is kept while x lives"
         );
-        PANIC_IN_SAME_STREAM.with(|f| f.set(comparing));
-        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(x)));
-        PANIC_IN_SAME_STREAM.with(|f| f.set(false));
+        let panicked = with_switch(&PANIC_IN_SAME_STREAM, comparing, || drop(x));
         assert!(panicked.is_err(), "comparing streams: {comparing}");
         // x's block is lost with the panic, so its region stays; the pool itself went, and y's
         // region with it.
@@ -1905,10 +1894,9 @@ fn a_panic_dropping_a_cached_blocks_handle_leaves_no_count_behind() {
     drop(x); // Into the cache.
     assert_eq!(p.stats().pending_blocks, 2);
     let other = Counted(C, Arc::new(()));
-    PANIC_IN_STREAM_DROP.with(|f| f.set(true));
-    // SAFETY: simulated memory is never read.
-    let panicked = std::panic::catch_unwind(|| unsafe { p.alloc::<u8>(&other, MIB) }.map(drop));
-    PANIC_IN_STREAM_DROP.with(|f| f.set(false));
+    let panicked = with_switch(&PANIC_IN_STREAM_DROP, true, || {
+        counted_alloc(&p, &other, MIB)
+    });
     assert!(panicked.is_err());
     p.check().unwrap();
     drop(p);
@@ -1932,10 +1920,9 @@ fn a_panic_cloning_the_callers_handle_in_a_cache_hit_keeps_the_block() {
     drop(counted_alloc(&p, &c, MIB)); // Into the cache.
     assert_eq!(p.stats().pending_blocks, 1);
     let other = Counted(C, Arc::new(()));
-    PANIC_IN_STREAM_CLONE.with(|f| f.set(true));
-    // SAFETY: simulated memory is never read.
-    let panicked = std::panic::catch_unwind(|| unsafe { p.alloc::<u8>(&other, MIB) }.map(drop));
-    PANIC_IN_STREAM_CLONE.with(|f| f.set(false));
+    let panicked = with_switch(&PANIC_IN_STREAM_CLONE, true, || {
+        counted_alloc(&p, &other, MIB)
+    });
     assert!(panicked.is_err());
     assert_eq!(p.stats().pending_blocks, 1, "the block left the cache");
     let y = counted_alloc(&p, &other, MIB);

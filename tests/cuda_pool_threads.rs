@@ -12,7 +12,7 @@ mod sim_pool;
 use sim_pool::{alloc, pool, Pool, C, D, GIB, MIB};
 #[path = "common/counting.rs"]
 mod counting;
-use counting::{counted_alloc, counting_pool, Counted, PANIC_IN_RECORD_EVENT};
+use counting::{counted_alloc, counting_pool, with_switch, Counted, PANIC_IN_RECORD_EVENT};
 
 /// Two threads on one stream each keep their frees in their own stream cache, and each reuses its
 /// own without the pool's lock: the second thread's first allocation does not get the first's
@@ -196,10 +196,7 @@ fn a_panic_closing_the_streams_a_full_engine_miss_drained_loses_no_block() {
         assert_eq!(p.stats().allocator.bytes_reserved, 2 * MIB);
         // The engine is full: the caches are drained, C's block serves the request, and D (busy)
         // needs an event, whose recording panics.
-        PANIC_IN_RECORD_EVENT.with(|f| f.set(true));
-        let panicked =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| counted_alloc(&p, &c, MIB)));
-        PANIC_IN_RECORD_EVENT.with(|f| f.set(false));
+        let panicked = with_switch(&PANIC_IN_RECORD_EVENT, true, || counted_alloc(&p, &c, MIB));
         assert!(panicked.is_err());
         assert_eq!(p.stats().pending_blocks, 2, "a block was lost");
         dev.complete_all();

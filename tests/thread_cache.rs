@@ -238,14 +238,13 @@ extern "C" fn set_the_allocating_key(_: *mut libc::c_void) -> *mut libc::c_void 
 #[test]
 fn a_thread_that_first_allocates_in_a_pthread_key_destructor_gives_its_cache_back() {
     let _s = serial();
-    let key = *ALLOCATING_KEY.get_or_init(|| {
+    ALLOCATING_KEY.get_or_init(|| {
         let mut key = 0;
         // SAFETY: a valid place for the key, and a destructor that does not unwind.
         let r = unsafe { libc::pthread_key_create(&mut key, Some(allocating_key_destructor)) };
         assert_eq!(r, 0);
         key
     });
-    let _ = key;
     for round in 0..4 {
         let mut t: libc::pthread_t = 0;
         // SAFETY: default attributes, a thread function of the right type, joined below.

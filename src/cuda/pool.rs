@@ -530,9 +530,10 @@ pub(crate) struct State<B: DeviceBackend> {
     /// The queue the next poll looks at first (see [`POLL_QUEUES`]).
     poll_cursor: usize,
     spares: Spares<B::Event>,
-    /// Events of batches that a stream's own allocation emptied, for the back end to take back at
-    /// the next poll: while the allocation holds the block it took, the pool calls no back end
-    /// (which may panic, and the block would be lost with it).
+    /// Events of batches that left their queues, for the back end to take back. One that a
+    /// stream's own allocation emptied waits here until the next poll: while the allocation holds
+    /// the block it took, the pool calls no back end (which may panic, and the block would be lost
+    /// with it).
     retired: Vec<B::Event>,
     /// Blocks freed while the driver could neither order nor wait for their uses: kept in use in
     /// the engine forever.
@@ -682,15 +683,23 @@ impl<B: DeviceBackend> State<B> {
         self.spares.put_batches(q.batches);
     }
 
+    /// Retires a batch's order, and hands the back end every retired event (for callers that hold
+    /// no block).
     fn recycle(&mut self, order: Order<B::Event>) {
+        self.retire(order);
+        self.recycle_retired();
+    }
+
+    /// Takes the order of a batch that left its queue: its event, if any, waits in
+    /// [`State::retired`] until [`recycle_retired`](Self::recycle_retired).
+    fn retire(&mut self, order: Order<B::Event>) {
         if let Order::Event(e) = order {
             self.event_batches -= 1;
-            self.backend().recycle_event(e);
+            self.retired.push(e);
         }
     }
 
-    /// Hands the back end the events of batches that [`take_pending`](Self::take_pending)
-    /// emptied.
+    /// Hands the back end the retired events.
     fn recycle_retired(&mut self) {
         while let Some(e) = self.retired.pop() {
             self.backend().recycle_event(e);
@@ -1046,10 +1055,7 @@ impl<B: DeviceBackend> State<B> {
                 self.empty_queues += 1;
             }
             if let Some(b) = removed {
-                if let Order::Event(e) = b.order {
-                    self.event_batches -= 1;
-                    self.retired.push(e);
-                }
+                self.retire(b.order);
                 self.spares.put_blocks(b.blocks);
             }
             // A queue left empty stays (see `State::queues`): a stream that frees the buffer it

@@ -896,78 +896,38 @@ fn a_huge_shrink_in_place_keeps_the_blocks_last_page() {
     assert_eq!(a.check(), Ok(()));
 }
 
-#[test]
-#[cfg_attr(miri, ignore = "Miri has no mincore")]
-fn interior_frees_are_swept_once_they_stay_free() {
+/// Frees a written 2 MiB block `x` (guarded from its neighbours) while `live` more bytes stay in
+/// use, then frees and allocates a 3 MiB block elsewhere again and again: for each `(n, pages)` of
+/// `steps`, `n` more times, after which `x` must have `pages` pages resident.
+fn a_long_free_block_beside_churn(live: usize, steps: &[(usize, usize)]) {
     let a = big_instance();
     let mb = 1 << 20;
     let la = Layout::from_size_align(2 * mb, 4096).unwrap();
     let lb = Layout::from_size_align(3 * mb, 4096).unwrap();
     let guard = Layout::from_size_align(64 << 10, 4096).unwrap();
-    // SAFETY: non-zero sizes.
-    let (x, g1, y, g2) = unsafe { (a.alloc(la), a.alloc(guard), a.alloc(lb), a.alloc(guard)) };
-    // SAFETY: `x` holds `2 * mb` bytes; it came from `a.alloc(la)`.
-    unsafe {
-        x.write_bytes(0xa5, 2 * mb);
-        a.dealloc(x, la);
-    }
-    assert_eq!(resident_pages(x, 2 * mb), 2 * mb / os::page_size());
-    // Churn elsewhere: every few frees start a sweep, and the second one returns `x`, which
-    // stayed free since the first.
-    let mut y = y;
-    for _ in 0..24 {
-        // SAFETY: `y` holds `3 * mb` bytes; it came from `a.alloc(lb)`.
-        unsafe {
-            y.write_bytes(1, 3 * mb);
-            a.dealloc(y, lb);
-            y = a.alloc(lb);
-        }
-    }
-    assert_eq!(
-        resident_pages(x, 2 * mb),
-        0,
-        "a long-free block kept its pages"
-    );
-    // SAFETY: from `a.alloc`.
-    unsafe {
-        a.dealloc(y, lb);
-        a.dealloc(g1, guard);
-        a.dealloc(g2, guard);
-    }
-    assert_eq!(a.check(), Ok(()));
-}
-
-/// With much memory in use the sweep interval is a multiple of it ([`SWEEP_AFTER_IN_USE`], 8), and a
-/// block that stays free still goes back at the second sweep: 16 MiB in use, a 2 MiB block freed
-/// once, then 3 MiB blocks churned elsewhere. With about 16.1 MiB in use at each free, sweeps come
-/// every 129 MiB freed: the first marks `x`, the second returns it. (Fails with a factor of 16, or
-/// with no sweeps.)
-#[test]
-#[cfg_attr(miri, ignore = "Miri has no mincore")]
-fn a_block_that_stays_free_goes_back_at_the_second_sweep_when_much_is_in_use() {
-    let a = big_instance();
-    let mb = 1 << 20;
-    let live = Layout::from_size_align(16 * mb, 4096).unwrap();
-    let la = Layout::from_size_align(2 * mb, 4096).unwrap();
-    let lb = Layout::from_size_align(3 * mb, 4096).unwrap();
-    let guard = Layout::from_size_align(64 << 10, 4096).unwrap();
+    let ll = Layout::from_size_align(live.max(1), 4096).unwrap();
     // SAFETY: non-zero sizes.
     let (l, x, g1, mut y, g2) = unsafe {
         (
-            a.alloc(live),
+            if live > 0 {
+                a.alloc(ll)
+            } else {
+                core::ptr::null_mut()
+            },
             a.alloc(la),
             a.alloc(guard),
             a.alloc(lb),
             a.alloc(guard),
         )
     };
-    assert!([l, x, g1, y, g2].iter().all(|p| !p.is_null()));
+    assert!([x, g1, y, g2].iter().all(|p| !p.is_null()) && (live == 0 || !l.is_null()));
     // SAFETY: `x` holds `2 * mb` bytes; it came from `a.alloc(la)`.
     unsafe {
         x.write_bytes(0xa5, 2 * mb);
         a.dealloc(x, la);
     }
-    let mut churn = |n: usize| {
+    let mut freed = 2 * mb;
+    for &(n, pages) in steps {
         for _ in 0..n {
             // SAFETY: `y` holds `3 * mb` bytes; it came from `a.alloc(lb)`.
             unsafe {
@@ -977,25 +937,46 @@ fn a_block_that_stays_free_goes_back_at_the_second_sweep_when_much_is_in_use() {
             }
             assert!(!y.is_null());
         }
-    };
-    // 122 MiB freed: no sweep yet, so `x` keeps its pages.
-    churn(40);
-    assert_eq!(resident_pages(x, 2 * mb), 2 * mb / os::page_size());
-    // 302 MiB freed in all: two sweeps, the second returns `x`.
-    churn(60);
-    assert_eq!(
-        resident_pages(x, 2 * mb),
-        0,
-        "a long-free block kept its pages"
-    );
+        freed += n * 3 * mb;
+        assert_eq!(
+            resident_pages(x, 2 * mb),
+            pages,
+            "{} MiB freed with {} MiB in use",
+            freed / mb,
+            live / mb
+        );
+    }
     // SAFETY: from `a.alloc`.
     unsafe {
         a.dealloc(y, lb);
         a.dealloc(g1, guard);
         a.dealloc(g2, guard);
-        a.dealloc(l, live);
+        if live > 0 {
+            a.dealloc(l, ll);
+        }
     }
     assert_eq!(a.check(), Ok(()));
+}
+
+/// Churn elsewhere: every few frees start a sweep, and the second one returns `x`, which stayed
+/// free since the first.
+#[test]
+#[cfg_attr(miri, ignore = "Miri has no mincore")]
+fn interior_frees_are_swept_once_they_stay_free() {
+    let all = (2 << 20) / os::page_size();
+    a_long_free_block_beside_churn(0, &[(0, all), (24, 0)]);
+}
+
+/// With much memory in use the sweep interval is a multiple of it ([`SWEEP_AFTER_IN_USE`], 8), and a
+/// block that stays free still goes back at the second sweep: 16 MiB in use. With about 16.1 MiB
+/// in use at each free, sweeps come every 129 MiB freed: the first marks `x`, the second returns
+/// it. (Fails with a factor of 16, or with no sweeps.)
+#[test]
+#[cfg_attr(miri, ignore = "Miri has no mincore")]
+fn a_block_that_stays_free_goes_back_at_the_second_sweep_when_much_is_in_use() {
+    let all = (2 << 20) / os::page_size();
+    // 122 MiB freed: no sweep yet; 302 MiB: two.
+    a_long_free_block_beside_churn(16 << 20, &[(40, all), (60, 0)]);
 }
 
 #[test]

@@ -194,3 +194,16 @@ std::thread_local! {
     /// thread (1: the next one; 0: none).
     pub static EVENT_SYNC_PANICS_AT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
+
+/// Runs `f` with one of the switches above set to `on` on this thread (then back as it was), and
+/// returns what `catch_unwind` made of it.
+pub fn with_switch<T: Copy, R>(
+    switch: &'static std::thread::LocalKey<std::cell::Cell<T>>,
+    on: T,
+    f: impl FnOnce() -> R,
+) -> std::thread::Result<R> {
+    let was = switch.with(|s| s.replace(on));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    switch.with(|s| s.set(was));
+    r
+}
