@@ -278,6 +278,53 @@ fn heap_256() -> GlobalBfc {
     })
 }
 
+/// The free top of a heap gives its commit back with its pages, so under a data limit (and strict
+/// overcommit) the memory one heap freed serves another mapping: after heap `a` frees a 100 MiB
+/// block, heap `b` gets one under a limit of 150 MiB; a 40 MiB block that `a` keeps for reuse
+/// goes back with `release_free_memory`, and `b` then grows to 120 MiB. (Before, a heap's commit
+/// only grew: `b`'s block was refused.)
+#[test]
+fn a_free_top_gives_its_commit_back() {
+    if run_in_child("a_free_top_gives_its_commit_back").is_some() {
+        return;
+    }
+    let start = status_bytes("VmData");
+    limit(libc::RLIMIT_DATA, "VmData", 150 << 20);
+    let (a, b) = (heap_256(), heap_256());
+    let data = || status_bytes("VmData").saturating_sub(start) >> 20;
+    let layout = |mib: usize| Layout::from_size_align(mib << 20, 8).unwrap();
+    // SAFETY: non-zero layouts; each block is written within its size and freed once with it.
+    unsafe {
+        let p = a.alloc(layout(100));
+        assert!(!p.is_null());
+        p.write_bytes(1, 100 << 20);
+        assert!(data() >= 100, "{} MiB of data", data());
+        a.dealloc(p, layout(100));
+        assert!(data() < 20, "{} MiB of data after the free", data());
+        let q = b.alloc(layout(100));
+        assert!(
+            !q.is_null(),
+            "the other heap's freed commit was not given back"
+        );
+        q.write_bytes(2, 100 << 20);
+        b.dealloc(q, layout(100));
+        // Below 64 MiB a freed top is kept touched for reuse, until a release.
+        let p = a.alloc(layout(40));
+        assert!(!p.is_null());
+        p.write_bytes(3, 40 << 20);
+        a.dealloc(p, layout(40));
+        assert!(data() >= 40, "{} MiB of data", data());
+        a.release_free_memory();
+        assert!(data() < 20, "{} MiB of data after the release", data());
+        let q = b.alloc(layout(120));
+        assert!(!q.is_null(), "the released commit was not given back");
+        q.write_bytes(4, 120 << 20);
+        b.dealloc(q, layout(120));
+    }
+    a.check().unwrap();
+    b.check().unwrap();
+}
+
 /// Under a data limit, an allocation commits only as far as its own block reaches: after a
 /// 100 MiB block was freed, 120 MiB fit under a limit of 150 MiB (committing 18 MiB more, not the
 /// 120 MiB above the freed block's end).

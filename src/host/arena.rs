@@ -23,7 +23,8 @@ pub(super) const TABLE_STEP: usize = 64 << 10;
 pub(super) const RECORD_SLACK: usize = 4;
 
 /// A part of a reservation made accessible from its start on demand (see `os::commit`): its first
-/// `done` bytes are readable and writable, the rest not yet. It only grows.
+/// `done` bytes are readable and writable, the rest not (yet, or no longer: the arena's prefix
+/// shrinks when the heap's free top goes back, [`HostSource::decommit_arena`]).
 #[derive(Clone, Copy)]
 pub(super) struct Prefix {
     pub(super) at: usize,
@@ -82,6 +83,9 @@ pub(super) struct HostSource {
     pub(super) map_commit: Prefix,
     pub(super) table_commit: Prefix,
     pub(super) spans_commit: Prefix,
+    /// The highest committed end of the arena so far (an address): the pointer map and span table
+    /// stay committed as far as they describe it when the arena's commit moves down.
+    reached: usize,
 }
 
 impl HostSource {
@@ -108,6 +112,7 @@ impl HostSource {
             meta_mapping,
             meta_mapping_size,
             region_out: false,
+            reached: arena,
             page,
             map_block,
             arena_commit: prefix(arena, arena_size),
@@ -138,9 +143,17 @@ impl HostSource {
         // Metadata first: a refusal then leaves the arena as it was.
         let (map_bytes, spans_bytes) = self.described_by(to);
         let page = self.page;
-        self.map_commit.cover(map_bytes, page)
+        let done = self.map_commit.cover(map_bytes, page)
             && self.spans_commit.cover(spans_bytes, page)
-            && self.arena_commit.cover(to, COMMIT_STEP)
+            && self.arena_commit.cover(to, COMMIT_STEP);
+        self.reached = self.reached.max(self.committed_end());
+        done
+    }
+
+    /// The highest committed end of the arena so far (an address).
+    #[inline]
+    pub(super) fn reached_end(&self) -> usize {
+        self.reached
     }
 
     /// Bytes of the pointer map and of the span table that describe the arena's first `bytes`.
@@ -168,6 +181,30 @@ impl HostSource {
         } else {
             Ok(())
         }
+    }
+
+    /// Stops committing the arena past `end` (an address, rounded up to the commit step): the range
+    /// goes back to `PROT_NONE` (`os::decommit`), so strict overcommit and `RLIMIT_DATA` stop
+    /// counting it, and a later block there commits it again. The pointer map and span table stay
+    /// committed as far as they were (about 1% of the arena bytes they describe, and only their
+    /// touched pages resident).
+    ///
+    /// # Safety
+    /// `end` is at or above the heap's touched end (`Heap::brk`): nothing handed out lies past it,
+    /// and what lies past it reads as zero (a refused decommit may leave those pages as they were).
+    pub(super) unsafe fn decommit_arena(&mut self, end: usize) {
+        let from = end
+            .saturating_sub(self.arena)
+            .next_multiple_of(COMMIT_STEP)
+            .min(self.arena_commit.done);
+        let done = self.arena_commit.done;
+        // SAFETY: `from` and `done` are multiples of the page size inside the arena's reservation,
+        // and the caller guarantees nothing needed lies in between.
+        // Whether or not the kernel agreed, the committed end moves down: after a refusal the range
+        // may be unmapped, and the next block there must make the commit call (which fails over a
+        // hole) before anyone writes to it.
+        let _ = unsafe { os::decommit(self.arena + from, done - from) };
+        self.arena_commit.done = from;
     }
 
     /// The committed end of the arena (an address).

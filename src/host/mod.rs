@@ -16,9 +16,11 @@
 //! sized by the arena alone, about 4.7 MiB with those tables' first steps for a 64 GiB arena, is
 //! committed at initialisation). So strict overcommit (`vm.overcommit_memory = 2`) charges, and
 //! `RLIMIT_DATA` counts, the memory the heap has reached, not the 64 GiB it reserved; when the
-//! kernel refuses a commit, the allocation returns null. Committed memory stays committed (freed
-//! blocks are reused); its pages still go back to the kernel as described below, and only pages
-//! that are touched become resident.
+//! kernel refuses a commit, the allocation returns null. When the free top of the arena goes back
+//! to the kernel (below), the arena's committed end follows it down to the next 2 MiB step, and
+//! neither counts that memory any more; the metadata stays committed. Elsewhere committed memory
+//! stays committed (freed blocks are reused) while its pages go back as described below. Only
+//! pages that are touched become resident.
 //! Initialisation allocates nothing.
 //!
 //! The whole arena is the engine's single region, so any two neighbouring free blocks coalesce.
@@ -1175,9 +1177,9 @@ impl Heap {
         s.num_allocs = s.num_allocs - self.span_allocs + self.small.allocs;
         s.num_chunks_in_use =
             (s.num_chunks_in_use - spans + self.small.objects).saturating_sub(cached_blocks);
-        // Entries up to the committed end: `brk` moves down when the top is trimmed, but the span
-        // table's touched pages stay.
-        s.metadata_bytes += self.small.metadata_bytes(self.bfc.source().committed_end());
+        // Entries up to the highest committed end: `brk` and the committed end move down when the
+        // top is trimmed, but the span table's touched pages stay.
+        s.metadata_bytes += self.small.metadata_bytes(self.bfc.source().reached_end());
         s
     }
 
@@ -1251,6 +1253,8 @@ impl Heap {
                 // `brk` moves down only if the pages now read as zero (`alloc_zeroed` relies on it).
                 if unsafe { os::discard(keep, self.brk.next_multiple_of(page) - keep) } {
                     self.brk = keep;
+                    // SAFETY: `keep` is the touched end now: the free top lies past it, zeroed.
+                    unsafe { self.bfc.source_mut().decommit_arena(keep) };
                 }
             }
             return;
@@ -1319,7 +1323,11 @@ impl Heap {
             // A refused discard leaves the chunk unmarked: the next sweep tries its pages again.
             zeroed
         });
-        self.brk = new_brk;
+        if new_brk < self.brk {
+            self.brk = new_brk;
+            // SAFETY: `new_brk` is the touched end now: past it lies the free top, zeroed.
+            unsafe { self.bfc.source_mut().decommit_arena(new_brk) };
+        }
         covered
     }
 

@@ -136,6 +136,45 @@ pub(crate) unsafe fn commit(ptr: usize, size: usize) -> bool {
     }
 }
 
+/// Makes `ptr..ptr + size` inaccessible again, as [`reserve_uncommitted`] left it: a fresh
+/// `PROT_NONE` mapping replaces the range, so its pages go back to the kernel, and neither the
+/// commit charge of `vm.overcommit_memory = 2` nor `RLIMIT_DATA` counts it any more (taking write
+/// access away with `mprotect` would leave the commit charged). Returns whether it worked. A
+/// [`commit`] makes the range usable again, zero-filled. (Under Miri, which has no fixed mappings,
+/// it only zeroes the range, which stays accessible.)
+///
+/// If the kernel refuses, the range may be left unmapped (a kernel may remove the old mapping
+/// before it fails to make the new one) or still readable and writable: either way nothing may
+/// use it before [`commit`] succeeds on it again (over a hole, `mprotect` fails).
+///
+/// # Safety
+/// The range is page-aligned, inside a mapping made by [`reserve_uncommitted`], and holds nothing
+/// anyone needs.
+pub(crate) unsafe fn decommit(ptr: usize, size: usize) -> bool {
+    if size == 0 {
+        return true;
+    }
+    #[cfg(miri)]
+    // SAFETY: guaranteed by the caller: the range is ours, accessible under Miri, and unused.
+    unsafe {
+        core::ptr::write_bytes(ptr as *mut u8, 0, size);
+        true
+    }
+    #[cfg(not(miri))]
+    // SAFETY: guaranteed by the caller: a fixed mapping over a range of our own reservation that
+    // nothing uses, with the reservation's own flags.
+    unsafe {
+        libc::mmap(
+            ptr as *mut libc::c_void,
+            size,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+            -1,
+            0,
+        ) == ptr as *mut libc::c_void
+    }
+}
+
 /// Unmaps a reservation.
 ///
 /// # Safety

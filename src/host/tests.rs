@@ -518,7 +518,8 @@ fn accessible_bytes(lo: usize, hi: usize) -> usize {
 /// Only what the heap reached is accessible: the arena's committed prefix follows its highest
 /// block in 2 MiB steps, and so do the pointer map, the span table and the chunk table; the
 /// rest of each reservation stays `PROT_NONE` (no commit charge under strict overcommit, not
-/// counted by `RLIMIT_DATA`). A freed block keeps its memory committed for reuse.
+/// counted by `RLIMIT_DATA`). When the free top goes back to the kernel, the committed prefix
+/// follows it down; a free elsewhere keeps its memory committed for reuse.
 #[test]
 #[cfg_attr(miri, ignore = "Miri has no mprotect")]
 fn only_what_the_heap_reached_is_committed() {
@@ -560,15 +561,39 @@ fn only_what_the_heap_reached_is_committed() {
         r.add((100 << 20) - 1).write(1);
         let done = agree(&a);
         assert!((103 << 20..=110 << 20).contains(&done), "committed {done}");
+        let first_end = r as usize + (100 << 20) - 1;
+        // A free of 64 MiB or more at the top keeps only 1 MiB of the top touched, and the arena is
+        // committed only to the 2 MiB step past that.
         a.dealloc(r, big);
-        assert_eq!(agree(&a), done, "a free gave up the commit");
-        // A block within the committed memory needs no more.
-        let r = a.alloc(Layout::from_size_align(50 << 20, 8).unwrap());
-        assert!(r as usize + (50 << 20) <= parts(&a).0.at + done);
+        let trimmed = agree(&a);
+        assert!(
+            (4 << 20..=8 << 20).contains(&trimmed),
+            "committed {trimmed}"
+        );
+        // A block freed below the top keeps its commit: a block of its size needs no more.
+        let hole = Layout::from_size_align(50 << 20, 8).unwrap();
+        let s = a.alloc(hole);
+        let t = a.alloc(l);
+        assert!(!s.is_null() && !t.is_null());
+        s.add((50 << 20) - 1).write(1);
+        t.write(1);
+        let done = agree(&a);
+        assert!((56 << 20..=62 << 20).contains(&done), "committed {done}");
+        a.dealloc(s, hole);
+        assert_eq!(agree(&a), done, "a free below the top gave up the commit");
+        let s = a.alloc(hole);
+        assert!(s as usize + (50 << 20) <= parts(&a).0.at + done);
         assert_eq!(agree(&a), done);
-        a.dealloc(r, Layout::from_size_align(50 << 20, 8).unwrap());
-        a.dealloc(p, l);
-        a.dealloc(q, small);
+        // The top commits again as a block reaches it, zero-filled.
+        let r = a.alloc_zeroed(big);
+        assert!(!r.is_null());
+        let first_end = first_end as *const u8;
+        assert!(r.cast_const() <= first_end && first_end < r.add(100 << 20));
+        assert_eq!(*first_end, 0, "the first block's byte came back");
+        assert!(agree(&a) >= done + (100 << 20));
+        for (x, lx) in [(r, big), (s, hole), (t, l), (p, l), (q, small)] {
+            a.dealloc(x, lx);
+        }
     }
     a.check().unwrap();
 }
