@@ -22,7 +22,8 @@
 //! # Fit policy ("good fit")
 //!
 //! A request of `g` granules first looks at the first [`Config::fit_scan`] chunks of its own class and
-//! takes the smallest that fits (ties: lowest address), going on up to 64 chunks until one fits;
+//! takes a chunk of exactly its size as soon as it meets one (a class's list is last freed first),
+//! otherwise the smallest that fits (ties: lowest address), going on up to 64 chunks until one fits;
 //! failing that it takes the head of the first non-empty higher class, every chunk of which is
 //! guaranteed to fit. Before the engine grows, or reports out of memory, it looks at every chunk of
 //! the request's own class, so a free chunk that fits is never passed over for good. TensorFlow's exact best fit

@@ -1604,19 +1604,34 @@ fn fit_scan_stops_at_the_first_fitting_chunk_once_it_has_looked_far_enough() {
     assert_eq!(alloc(&mut b, 64 * g, 1), tight);
 }
 
+/// Frees two holes of `hole` granules of 256 bytes, the lower one first, then asks for `want`
+/// granules: returns the two holes and the address the request got.
+fn two_holes_then(hole: usize, want: usize) -> (usize, usize, usize) {
+    let mut b = engine(Config::device(1 << 30));
+    let g = 256;
+    let low = alloc(&mut b, hole * g, 1);
+    alloc(&mut b, g, 1);
+    let high = alloc(&mut b, hole * g, 1);
+    alloc(&mut b, g, 1);
+    free(&mut b, low);
+    free(&mut b, high);
+    (low, high, alloc(&mut b, want * g, 1))
+}
+
 #[test]
 fn equally_good_fits_go_to_the_lowest_address() {
     // Two 66-granule holes in the class of a 64-granule request; the higher one, freed last, heads
     // the list. The documented tie-break is the lowest address.
-    let mut b = engine(Config::device(1 << 30));
-    let g = 256;
-    let low = alloc(&mut b, 66 * g, 1);
-    alloc(&mut b, g, 1);
-    let high = alloc(&mut b, 66 * g, 1);
-    alloc(&mut b, g, 1);
-    free(&mut b, low);
-    free(&mut b, high);
-    assert_eq!(alloc(&mut b, 64 * g, 1), low);
+    let (low, _, got) = two_holes_then(66, 64);
+    assert_eq!(got, low);
+}
+
+#[test]
+fn an_exact_fit_is_taken_as_soon_as_it_is_met() {
+    // Two holes of exactly the request's size: the scan stops at the first it meets, the one freed
+    // last (a class's list is last freed first), not the lowest.
+    let (_, high, got) = two_holes_then(64, 64);
+    assert_eq!(got, high);
 }
 
 #[test]

@@ -3,8 +3,9 @@
 //! Requests of at most [`SMALL_MAX`] (4 KiB) bytes with alignment at most 4 KiB are served from
 //! *spans*: 64 KiB, 64 KiB-aligned chunks taken from the BFC engine, each cut into equal objects of
 //! one size class (an aligned request takes a class whose size is a multiple of its alignment).
-//! Everything about a span lives outside it, in the span table (one [`Span`] per 64 KiB of arena):
-//! its class, its free count, and a bitmap with one bit per object (set = allocated). So:
+//! Everything about a span lives outside it: in the span table (one [`Span`] per 64 KiB of arena)
+//! its free count and a bitmap with one bit per object (set = allocated), and in the span class
+//! table (one byte per 64 KiB) its class. So:
 //!
 //! - allocation finds a clear bit in the class's current span (a few instructions, no list walk);
 //! - free finds the span by address arithmetic, checks that the pointer is an object start whose bit

@@ -24,8 +24,9 @@
 //! cache (as in tcmalloc and jemalloc), and every stack only ever holds blocks of its own class. The
 //! slab layer, not the cache, remembers which span a block belongs to.
 //!
-//! **Bounds.** A class's stack holds at most [`bin_capacity`] blocks (about 16 KiB of blocks, at least
-//! 16 and at most 128 of them: 2 KiB for the 16-byte class, 64 KiB for the 4 KiB class), so one thread caches at most [`MAX_CACHED_BYTES`] (575 KiB). The stacks
+//! **Bounds.** A class's stack holds at most [`bin_capacity`] blocks: about 16 KiB of blocks, at least
+//! 16 and at most 128 of them (128 for the classes up to 128 B, 2 to 16 KiB; 16 above 1 KiB, 20 to
+//! 64 KiB), so one thread caches at most [`MAX_CACHED_BYTES`] (575 KiB). The stacks
 //! take 14 KiB of thread-local storage per thread.
 //!
 //! **Double frees.** A free of the block on top of its stack (a block freed twice in a row on one
