@@ -139,6 +139,10 @@ impl HostSource {
 
     #[cold]
     fn commit_arena_slow(&mut self, bytes: usize) -> bool {
+        if bytes > self.arena_commit.len {
+            // Past a part of the arena given up after a refused decommit (`decommit_arena`).
+            return false;
+        }
         let to = bytes.next_multiple_of(COMMIT_STEP).min(self.arena_size);
         // Metadata first: a refusal then leaves the arena as it was.
         let (map_bytes, spans_bytes) = self.described_by(to);
@@ -191,20 +195,28 @@ impl HostSource {
     ///
     /// # Safety
     /// `end` is at or above the heap's touched end (`Heap::brk`): nothing handed out lies past it,
-    /// and what lies past it reads as zero (a refused decommit may leave those pages as they were).
+    /// and what lies past it reads as zero (a refused decommit leaves those pages as they were).
     pub(super) unsafe fn decommit_arena(&mut self, end: usize) {
         let from = end
             .saturating_sub(self.arena)
             .next_multiple_of(COMMIT_STEP)
             .min(self.arena_commit.done);
-        let done = self.arena_commit.done;
-        // SAFETY: `from` and `done` are multiples of the page size inside the arena's reservation,
-        // and the caller guarantees nothing needed lies in between.
-        // Whether or not the kernel agreed, the committed end moves down: after a refusal the range
-        // may be unmapped, and the next block there must make the commit call (which fails over a
-        // hole) before anyone writes to it.
-        let _ = unsafe { os::decommit(self.arena + from, done - from) };
-        self.arena_commit.done = from;
+        let (at, size) = (self.arena + from, self.arena_commit.done - from);
+        // SAFETY: `at..at + size` is page-aligned (both ends are multiples of the page size) inside
+        // the arena's reservation, and the caller guarantees nothing needed lies there.
+        match unsafe { os::decommit(at, size) } {
+            os::Decommit::Done => self.arena_commit.done = from,
+            // Still committed, and (the caller's contract) reading as zero.
+            os::Decommit::Refused => {}
+            os::Decommit::Lost => {
+                // Part of the range may be another mapping's now: the heap never commits past
+                // `from` again (its engine still sees free memory there, which it never hands out
+                // past the committed end), and its drop unmaps only the reservation below.
+                self.arena_commit.done = from;
+                self.arena_commit.len = from;
+                self.arena_mapping_size = at - self.arena_mapping.as_ptr() as usize;
+            }
+        }
     }
 
     /// The committed end of the arena (an address).

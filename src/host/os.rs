@@ -136,42 +136,74 @@ pub(crate) unsafe fn commit(ptr: usize, size: usize) -> bool {
     }
 }
 
-/// Makes `ptr..ptr + size` inaccessible again, as [`reserve_uncommitted`] left it: a fresh
-/// `PROT_NONE` mapping replaces the range, so its pages go back to the kernel, and neither the
-/// commit charge of `vm.overcommit_memory = 2` nor `RLIMIT_DATA` counts it any more (taking write
-/// access away with `mprotect` would leave the commit charged). Returns whether it worked. A
-/// [`commit`] makes the range usable again, zero-filled. (Under Miri, which has no fixed mappings,
-/// it only zeroes the range, which stays accessible.)
+/// What [`decommit`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Decommit {
+    /// The range is inaccessible, uncharged, and still our reservation.
+    Done,
+    /// Nothing changed: the range is as it was.
+    Refused,
+    /// The range was unmapped but could not be mapped again: (part of) it may belong to another
+    /// mapping now, and must never be committed, used or unmapped by us.
+    Lost,
+}
+
+/// Makes `ptr..ptr + size` inaccessible again, as [`reserve_uncommitted`] left it, so that its
+/// pages go back to the kernel and neither the commit charge of `vm.overcommit_memory = 2` nor
+/// `RLIMIT_DATA` counts it any more (taking write access away with `mprotect` would leave the
+/// commit charged). A [`commit`] makes the range usable again, zero-filled.
 ///
-/// If the kernel refuses, the range may be left unmapped (a kernel may remove the old mapping
-/// before it fails to make the new one) or still readable and writable: either way nothing may
-/// use it before [`commit`] succeeds on it again (over a hole, `mprotect` fails).
+/// The range is unmapped, then mapped again at the same address (a hint, not `MAP_FIXED`: a fixed
+/// mapping that fails may leave the old one removed, and a hint is taken only where nothing else
+/// is mapped). Another thread's `mmap` may take the hole in between: then the range is
+/// [`Decommit::Lost`]. (Under Miri, which has no `munmap`, it only zeroes the range, which stays
+/// accessible.)
 ///
 /// # Safety
 /// The range is page-aligned, inside a mapping made by [`reserve_uncommitted`], and holds nothing
 /// anyone needs.
-pub(crate) unsafe fn decommit(ptr: usize, size: usize) -> bool {
+pub(crate) unsafe fn decommit(ptr: usize, size: usize) -> Decommit {
     if size == 0 {
-        return true;
+        return Decommit::Done;
     }
     #[cfg(miri)]
     // SAFETY: guaranteed by the caller: the range is ours, accessible under Miri, and unused.
     unsafe {
         core::ptr::write_bytes(ptr as *mut u8, 0, size);
-        true
+        Decommit::Done
     }
     #[cfg(not(miri))]
-    // SAFETY: guaranteed by the caller: a fixed mapping over a range of our own reservation that
-    // nothing uses, with the reservation's own flags.
-    unsafe {
-        libc::mmap(
-            ptr as *mut libc::c_void,
-            size,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
-            -1,
-            0,
-        ) == ptr as *mut libc::c_void
+    {
+        #[cfg(all(test, feature = "std", not(loom)))]
+        if tests::refuse_decommit(ptr, size) {
+            return Decommit::Refused;
+        }
+        // SAFETY: guaranteed by the caller: part of our reservation that nothing uses. `munmap`
+        // either removes the whole range or fails having removed nothing.
+        if unsafe { libc::munmap(ptr as *mut libc::c_void, size) } != 0 {
+            return Decommit::Refused;
+        }
+        #[cfg(all(test, feature = "std", not(loom)))]
+        tests::after_unmap(ptr);
+        // SAFETY: a new anonymous mapping at an address the kernel chooses (the hint when the
+        // whole range is free) aliases nothing; one placed elsewhere is unmapped at once.
+        unsafe {
+            let p = libc::mmap(
+                ptr as *mut libc::c_void,
+                size,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            );
+            if p == ptr as *mut libc::c_void {
+                return Decommit::Done;
+            }
+            if p != libc::MAP_FAILED {
+                libc::munmap(p, size);
+            }
+        }
+        Decommit::Lost
     }
 }
 
@@ -273,4 +305,74 @@ pub(crate) fn fatal(args: core::fmt::Arguments<'_>) -> ! {
     write_stderr("fatal: ", format_args!("{args}; aborting"));
     // SAFETY: aborting has no preconditions.
     unsafe { libc::abort() }
+}
+
+#[cfg(all(test, feature = "std", not(loom)))]
+pub(crate) mod tests {
+    //! A switch that makes [`decommit`](super::decommit) fail inside one address range, the ways
+    //! it can.
+
+    use core::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+
+    /// How a decommit in the armed range fails.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    pub(crate) enum Refusal {
+        /// `munmap` refuses (as it does when splitting the mapping would pass `vm.max_map_count`).
+        Kept,
+        /// Another mapping (read-write, its first byte [`FOREIGN_BYTE`]) takes the first page of
+        /// the range between the unmapping and the mapping again.
+        Taken,
+    }
+
+    /// The first byte of the foreign mapping of [`Refusal::Taken`].
+    pub(crate) const FOREIGN_BYTE: u8 = 0xF0;
+
+    static ARMED: [AtomicUsize; 3] = [const { AtomicUsize::new(0) }; 3];
+    /// The foreign mapping's address, once made.
+    pub(crate) static FOREIGN: AtomicUsize = AtomicUsize::new(0);
+
+    /// Makes the next decommit inside `lo..hi` fail as `how` (once).
+    pub(crate) fn arm(lo: usize, hi: usize, how: Refusal) {
+        ARMED[0].store(lo, SeqCst);
+        ARMED[1].store(hi, SeqCst);
+        ARMED[2].store(how as usize + 1, SeqCst);
+    }
+
+    /// Takes the armed refusal if `ptr..ptr + size` lies in its range.
+    fn take(ptr: usize, size: usize, how: Refusal) -> bool {
+        let (lo, hi) = (ARMED[0].load(SeqCst), ARMED[1].load(SeqCst));
+        lo <= ptr
+            && ptr + size <= hi
+            && ARMED[2]
+                .compare_exchange(how as usize + 1, 0, SeqCst, SeqCst)
+                .is_ok()
+    }
+
+    /// Whether the decommit of `ptr..ptr + size` is to be refused.
+    pub(super) fn refuse_decommit(ptr: usize, size: usize) -> bool {
+        take(ptr, size, Refusal::Kept)
+    }
+
+    /// Between the unmapping of `ptr..` and its mapping again: maps the foreign page if armed.
+    pub(super) fn after_unmap(ptr: usize) {
+        let page = super::page_size();
+        if !take(ptr, page, Refusal::Taken) {
+            return;
+        }
+        // SAFETY: an anonymous mapping at a hint inside the hole just made; checked below.
+        let p = unsafe {
+            libc::mmap(
+                ptr as *mut libc::c_void,
+                page,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_eq!(p as usize, ptr, "the hint was not taken");
+        // SAFETY: the page just mapped, read-write.
+        unsafe { p.cast::<u8>().write(FOREIGN_BYTE) };
+        FOREIGN.store(ptr, SeqCst);
+    }
 }
