@@ -473,7 +473,8 @@ impl Transfer {
 #[cfg(not(loom))]
 std::thread_local! {
     static CACHE: ThreadCache = const { ThreadCache::new() };
-    /// Flushes the thread's cache when the thread exits (registered on first binding).
+    /// Flushes the thread's cache when the thread exits, where no pthread key can be had (see
+    /// [`register_exit_flush`]).
     static EXIT: ExitFlush = const { ExitFlush };
 }
 
@@ -493,30 +494,31 @@ pub(crate) fn with<R>(f: impl FnOnce(&ThreadCache) -> R) -> Option<R> {
 }
 
 /// Makes sure the cache is flushed when the thread exits. Returns `false` if it cannot be (the
-/// thread is already exiting). May allocate (the runtime's destructor list).
+/// thread is already exiting). May allocate (a pthread key's second-level block, or the
+/// runtime's destructor list, in the C library's allocator).
 ///
-/// Two hooks: the destructor of a thread-local ([`ExitFlush`]) and of a pthread key. glibc runs the
-/// thread-locals' destructors first, then the keys' (in passes, while keys are set again). A cache
-/// first bound inside a key's destructor (a thread started outside Rust, whose first allocation is
-/// there) registers its thread-local's destructor after they ran: it never would, and the cache,
-/// its blocks still counted, would stay in its heap's registry after the thread's storage went
-/// (with another thread at the same address, a cycle). The key, set then, runs in the next pass.
-/// Whichever runs second finds the cache flushed.
+/// The hook is a pthread key's destructor. glibc runs the destructors of thread-locals first, then
+/// the keys' (in passes, while keys are set again), so the flush comes after every thread-local's
+/// destructor that allocates or frees, and a cache first bound inside another key's destructor (a
+/// thread started outside Rust, whose first allocation is there) is flushed in the next pass. A
+/// thread-local's destructor ([`ExitFlush`]) is the hook only when no key can be had: registered
+/// after the thread-locals' destructors ran, it would never run (and glibc would keep its record,
+/// 32 bytes, for good). The main thread's cache is not flushed at `exit` (which runs no key
+/// destructors); the process is ending.
 pub(crate) fn register_exit_flush() -> bool {
     #[cfg(not(loom))]
     {
-        if EXIT.try_with(|_| ()).is_err() {
-            return false;
-        }
         if let Some(key) = exit_key() {
             // SAFETY: `key` is a live key (never deleted once published). A non-null value makes
-            // its destructor run at thread exit. (A refusal, out of memory, leaves the thread-local's
-            // destructor alone, which suffices unless the thread is already exiting.)
-            unsafe {
+            // its destructor run at thread exit.
+            let set = unsafe {
                 libc::pthread_setspecific(key, core::ptr::NonNull::<u8>::dangling().as_ptr().cast())
             };
+            if set == 0 {
+                return true;
+            }
         }
-        true
+        EXIT.try_with(|_| ()).is_ok()
     }
     #[cfg(loom)]
     return true;
@@ -527,7 +529,7 @@ pub(crate) fn register_exit_flush() -> bool {
 static EXIT_KEY: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
 
 /// The pthread key whose destructor flushes the exiting thread's cache, made on first use. `None`
-/// if the system has no key left (then only the thread-local's destructor flushes).
+/// if the system has no key left (then the thread-local's destructor flushes).
 #[cfg(not(loom))]
 fn exit_key() -> Option<libc::pthread_key_t> {
     use core::sync::atomic::Ordering::{AcqRel, Acquire};
