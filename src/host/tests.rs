@@ -1463,6 +1463,16 @@ fn a_refused_discard_of_the_free_top_keeps_brk() {
         );
         return;
     }
+    // SAFETY: the page is free memory of the arena (its contents do not matter).
+    if unsafe { libc::madvise(p.cast(), page, libc::MADV_DONTNEED) } == 0 {
+        // AddressSanitizer's `mlock` does nothing.
+        std::eprintln!(
+            "skipped: the page was not locked (mlock returned 0, MADV_DONTNEED went through)"
+        );
+        // SAFETY: as above.
+        unsafe { libc::munlock(p.cast(), page) };
+        return;
+    }
     let released = a.release_free_memory();
     let after = brk(&a);
     // SAFETY: as above.
