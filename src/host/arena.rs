@@ -139,10 +139,6 @@ impl HostSource {
 
     #[cold]
     fn commit_arena_slow(&mut self, bytes: usize) -> bool {
-        if bytes > self.arena_commit.len {
-            // Past a part of the arena given up after a refused decommit (`decommit_arena`).
-            return false;
-        }
         let to = bytes.next_multiple_of(COMMIT_STEP).min(self.arena_size);
         // Metadata first: a refusal then leaves the arena as it was.
         let (map_bytes, spans_bytes) = self.described_by(to);
@@ -201,22 +197,14 @@ impl HostSource {
             .saturating_sub(self.arena)
             .next_multiple_of(COMMIT_STEP)
             .min(self.arena_commit.done);
-        let (at, size) = (self.arena + from, self.arena_commit.done - from);
-        // SAFETY: `at..at + size` is page-aligned (both ends are multiples of the page size) inside
-        // the arena's reservation, and the caller guarantees nothing needed lies there.
-        match unsafe { os::decommit(at, size) } {
-            os::Decommit::Done => self.arena_commit.done = from,
-            // Still committed, and (the caller's contract) reading as zero.
-            os::Decommit::Refused => {}
-            os::Decommit::Lost => {
-                // Part of the range may be another mapping's now: the heap never commits past
-                // `from` again (its engine still sees free memory there, which it never hands out
-                // past the committed end), and its drop unmaps only the reservation below.
-                self.arena_commit.done = from;
-                self.arena_commit.len = from;
-                self.arena_mapping_size = at - self.arena_mapping.as_ptr() as usize;
-            }
-        }
+        let done = self.arena_commit.done;
+        // SAFETY: `from` and `done` are multiples of the page size inside the arena's reservation,
+        // and the caller guarantees nothing needed lies in between. Whether or not the kernel
+        // agreed, the committed end moves down: a range left mapped (as it was, its pages reading
+        // as zero) is committed again by a no-op `mprotect`, and one left unmapped makes that
+        // `mprotect` fail (the allocation returns null) rather than a write fault.
+        let _ = unsafe { os::decommit(self.arena + from, done - from) };
+        self.arena_commit.done = from;
     }
 
     /// The committed end of the arena (an address).

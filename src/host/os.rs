@@ -136,74 +136,80 @@ pub(crate) unsafe fn commit(ptr: usize, size: usize) -> bool {
     }
 }
 
-/// What [`decommit`] did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Decommit {
-    /// The range is inaccessible, uncharged, and still our reservation.
-    Done,
-    /// Nothing changed: the range is as it was.
-    Refused,
-    /// The range was unmapped but could not be mapped again: (part of) it may belong to another
-    /// mapping now, and must never be committed, used or unmapped by us.
-    Lost,
-}
-
-/// Makes `ptr..ptr + size` inaccessible again, as [`reserve_uncommitted`] left it, so that its
-/// pages go back to the kernel and neither the commit charge of `vm.overcommit_memory = 2` nor
-/// `RLIMIT_DATA` counts it any more (taking write access away with `mprotect` would leave the
-/// commit charged). A [`commit`] makes the range usable again, zero-filled.
+/// Makes `ptr..ptr + size` inaccessible again, as [`reserve_uncommitted`] left it: a new
+/// `PROT_NONE` mapping replaces it, so its pages go back to the kernel and neither the commit
+/// charge of `vm.overcommit_memory = 2` nor `RLIMIT_DATA` counts it any more (taking write access
+/// away with `mprotect` would leave the commit charged). Returns whether that worked; either way
+/// nothing may use the range before [`commit`] makes it usable again (zero-filled where it
+/// worked; where it did not, the caller already made the pages read as zero).
 ///
-/// The range is unmapped, then mapped again at the same address (a hint, not `MAP_FIXED`: a fixed
-/// mapping that fails may leave the old one removed, and a hint is taken only where nothing else
-/// is mapped). Another thread's `mmap` may take the hole in between: then the range is
-/// [`Decommit::Lost`]. (Under Miri, which has no `munmap`, it only zeroes the range, which stays
-/// accessible.)
+/// The new mapping replaces the old one in one step (`MAP_FIXED`): unmapping first and mapping
+/// again would leave a window in which another thread's `mmap` (a new thread's stack) takes the
+/// range. When that fails the old mapping is normally as it was (the kernel checks its limits,
+/// `vm.max_map_count` and `RLIMIT_AS`, first); a kernel may also have removed it and then failed
+/// for want of memory for its own records (which happens when the process is being killed for
+/// memory): the range is then mapped again here, where nothing else was mapped meanwhile
+/// (`MAP_FIXED_NOREPLACE`; elsewhere than Linux, a hint). (Under Miri, which has no fixed
+/// mappings, it only zeroes the range, which stays accessible.)
 ///
 /// # Safety
 /// The range is page-aligned, inside a mapping made by [`reserve_uncommitted`], and holds nothing
 /// anyone needs.
-pub(crate) unsafe fn decommit(ptr: usize, size: usize) -> Decommit {
+pub(crate) unsafe fn decommit(ptr: usize, size: usize) -> bool {
     if size == 0 {
-        return Decommit::Done;
+        return true;
     }
     #[cfg(miri)]
     // SAFETY: guaranteed by the caller: the range is ours, accessible under Miri, and unused.
     unsafe {
         core::ptr::write_bytes(ptr as *mut u8, 0, size);
-        Decommit::Done
+        true
     }
     #[cfg(not(miri))]
     {
+        let reserve = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
         #[cfg(all(test, feature = "std", not(loom)))]
-        if tests::refuse_decommit(ptr, size) {
-            return Decommit::Refused;
+        let failed = tests::failing_decommit(ptr, size);
+        #[cfg(not(all(test, feature = "std", not(loom))))]
+        let failed = false;
+        if !failed {
+            // SAFETY: guaranteed by the caller: a fixed mapping over part of our reservation that
+            // nothing uses, with the reservation's own flags.
+            let p = unsafe {
+                libc::mmap(
+                    ptr as *mut libc::c_void,
+                    size,
+                    libc::PROT_NONE,
+                    reserve | libc::MAP_FIXED,
+                    -1,
+                    0,
+                )
+            };
+            if p == ptr as *mut libc::c_void {
+                return true;
+            }
         }
-        // SAFETY: guaranteed by the caller: part of our reservation that nothing uses. `munmap`
-        // either removes the whole range or fails having removed nothing.
-        if unsafe { libc::munmap(ptr as *mut libc::c_void, size) } != 0 {
-            return Decommit::Refused;
-        }
-        #[cfg(all(test, feature = "std", not(loom)))]
-        tests::after_unmap(ptr);
-        // SAFETY: a new anonymous mapping at an address the kernel chooses (the hint when the
-        // whole range is free) aliases nothing; one placed elsewhere is unmapped at once.
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        let exactly = libc::MAP_FIXED_NOREPLACE;
+        #[cfg(not(any(target_os = "linux", target_os = "android")))]
+        let exactly = 0;
+        // SAFETY: a new anonymous mapping exactly at `ptr` where nothing is mapped (it fails over
+        // the old mapping, as it should), or (a kernel that takes the flag as a hint) wherever the
+        // kernel chooses, aliases nothing; one placed elsewhere is unmapped at once.
         unsafe {
             let p = libc::mmap(
                 ptr as *mut libc::c_void,
                 size,
                 libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                reserve | exactly,
                 -1,
                 0,
             );
-            if p == ptr as *mut libc::c_void {
-                return Decommit::Done;
-            }
-            if p != libc::MAP_FAILED {
+            if p != libc::MAP_FAILED && p != ptr as *mut libc::c_void {
                 libc::munmap(p, size);
             }
         }
-        Decommit::Lost
+        false
     }
 }
 
@@ -309,27 +315,21 @@ pub(crate) fn fatal(args: core::fmt::Arguments<'_>) -> ! {
 
 #[cfg(all(test, feature = "std", not(loom)))]
 pub(crate) mod tests {
-    //! A switch that makes [`decommit`](super::decommit) fail inside one address range, the ways
-    //! it can.
+    //! A switch that makes [`decommit`](super::decommit)'s fixed mapping fail inside one address
+    //! range, the ways a kernel can.
 
     use core::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 
-    /// How a decommit in the armed range fails.
+    /// How the fixed mapping of a decommit in the armed range fails.
     #[derive(Clone, Copy, Debug, PartialEq)]
     pub(crate) enum Refusal {
-        /// `munmap` refuses (as it does when splitting the mapping would pass `vm.max_map_count`).
+        /// The old mapping stays as it was (as at `vm.max_map_count`).
         Kept,
-        /// Another mapping (read-write, its first byte [`FOREIGN_BYTE`]) takes the first page of
-        /// the range between the unmapping and the mapping again.
-        Taken,
+        /// The old mapping is gone (a kernel that fails after removing it).
+        Hole,
     }
 
-    /// The first byte of the foreign mapping of [`Refusal::Taken`].
-    pub(crate) const FOREIGN_BYTE: u8 = 0xF0;
-
     static ARMED: [AtomicUsize; 3] = [const { AtomicUsize::new(0) }; 3];
-    /// The foreign mapping's address, once made.
-    pub(crate) static FOREIGN: AtomicUsize = AtomicUsize::new(0);
 
     /// Makes the next decommit inside `lo..hi` fail as `how` (once).
     pub(crate) fn arm(lo: usize, hi: usize, how: Refusal) {
@@ -338,41 +338,21 @@ pub(crate) mod tests {
         ARMED[2].store(how as usize + 1, SeqCst);
     }
 
-    /// Takes the armed refusal if `ptr..ptr + size` lies in its range.
-    fn take(ptr: usize, size: usize, how: Refusal) -> bool {
+    /// Whether the fixed mapping over `ptr..ptr + size` is to fail (having done what the armed
+    /// refusal leaves).
+    pub(super) fn failing_decommit(ptr: usize, size: usize) -> bool {
         let (lo, hi) = (ARMED[0].load(SeqCst), ARMED[1].load(SeqCst));
-        lo <= ptr
-            && ptr + size <= hi
-            && ARMED[2]
-                .compare_exchange(how as usize + 1, 0, SeqCst, SeqCst)
-                .is_ok()
-    }
-
-    /// Whether the decommit of `ptr..ptr + size` is to be refused.
-    pub(super) fn refuse_decommit(ptr: usize, size: usize) -> bool {
-        take(ptr, size, Refusal::Kept)
-    }
-
-    /// Between the unmapping of `ptr..` and its mapping again: maps the foreign page if armed.
-    pub(super) fn after_unmap(ptr: usize) {
-        let page = super::page_size();
-        if !take(ptr, page, Refusal::Taken) {
-            return;
+        if !(lo <= ptr && ptr + size <= hi) {
+            return false;
         }
-        // SAFETY: an anonymous mapping at a hint inside the hole just made; checked below.
-        let p = unsafe {
-            libc::mmap(
-                ptr as *mut libc::c_void,
-                page,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_eq!(p as usize, ptr, "the hint was not taken");
-        // SAFETY: the page just mapped, read-write.
-        unsafe { p.cast::<u8>().write(FOREIGN_BYTE) };
-        FOREIGN.store(ptr, SeqCst);
+        match ARMED[2].swap(0, SeqCst) {
+            0 => false,
+            1 => true,
+            _ => {
+                // SAFETY: the caller's range, ours and unused (`decommit`'s contract).
+                assert_eq!(unsafe { libc::munmap(ptr as *mut libc::c_void, size) }, 0);
+                true
+            }
+        }
     }
 }
