@@ -2,7 +2,7 @@
 //! metadata are sized to fit beside the rest of the process, and when even the smallest arena does
 //! not fit, a warning says why every allocation fails. Under a data limit (`RLIMIT_DATA`, which
 //! counts writable private memory, as strict overcommit does), only the memory the heap committed
-//! counts.
+//! counts. Out of pthread keys, threads get no cache (nothing would flush it at their exit).
 //!
 //! No `#[global_allocator]` here (the system allocator serves the test harness), and each case runs
 //! in a fresh process (this binary, re-run with an environment variable) whose limit it lowers.
@@ -396,4 +396,123 @@ fn a_data_limit_leaves_realloc_working() {
         }
     }
     a.check().unwrap();
+}
+
+/// The private heap of the pthread-key cases (each runs in a process of its own).
+static KEYED: GlobalBfc = GlobalBfc::new();
+
+/// A key whose destructor allocates from [`KEYED`] and frees: the first use of a thread started
+/// outside Rust, at its exit.
+unsafe extern "C" fn allocating_key_destructor(_: *mut libc::c_void) {
+    let l = Layout::from_size_align(16, 8).unwrap();
+    let mut blocks = [std::ptr::null_mut::<u8>(); 200];
+    for b in &mut blocks {
+        // SAFETY: a non-zero size.
+        *b = unsafe { KEYED.alloc(l) };
+    }
+    for &b in &blocks {
+        assert!(!b.is_null());
+        // SAFETY: from `KEYED.alloc(l)`, freed once.
+        unsafe { KEYED.dealloc(b, l) };
+    }
+}
+
+/// A `pthread_create` thread that only sets the key in `arg`.
+extern "C" fn set_key(arg: *mut libc::c_void) -> *mut libc::c_void {
+    // SAFETY: `arg` is a live key; a non-null value makes its destructor run at exit.
+    unsafe { libc::pthread_setspecific(arg as libc::pthread_key_t, arg.wrapping_add(1)) };
+    std::ptr::null_mut()
+}
+
+/// A `pthread_create` thread that allocates and frees small blocks from [`KEYED`]; returns its
+/// cached bytes before it exits.
+extern "C" fn allocate(_: *mut libc::c_void) -> *mut libc::c_void {
+    // SAFETY: as in `allocating_key_destructor`.
+    unsafe { allocating_key_destructor(std::ptr::null_mut()) };
+    KEYED.thread_cache_bytes() as *mut libc::c_void
+}
+
+/// Runs `f(arg)` on a `pthread_create` thread (not `std::thread`, which needs keys of its own) and
+/// returns what it returned.
+fn on_pthread(f: extern "C" fn(*mut libc::c_void) -> *mut libc::c_void, arg: usize) -> usize {
+    let mut t: libc::pthread_t = 0;
+    let mut ret = std::ptr::null_mut();
+    // SAFETY: default attributes, a thread function of the right type, joined at once.
+    unsafe {
+        assert_eq!(
+            libc::pthread_create(&mut t, std::ptr::null(), f, arg as *mut _),
+            0
+        );
+        assert_eq!(libc::pthread_join(t, &mut ret), 0);
+    }
+    ret as usize
+}
+
+/// Makes pthread keys until the system refuses; returns how many.
+fn use_up_pthread_keys() -> usize {
+    let mut made = 0;
+    loop {
+        let mut k = 0;
+        // SAFETY: a valid place for the key; no destructor.
+        if unsafe { libc::pthread_key_create(&mut k, None) } != 0 {
+            return made;
+        }
+        made += 1;
+        assert!(made < 1 << 20, "no limit on pthread keys");
+    }
+}
+
+/// With no pthread key left when a heap starts, a thread gets no cache (nothing could flush it at
+/// exit): its small blocks take the lock, and none stays behind when the thread exits, even when
+/// its first allocation comes in another key's destructor. (Before, the cache bound there with a
+/// thread-local's destructor that never runs: its blocks stayed cached after the thread was gone,
+/// and the next such thread could link the heap's list of caches into a cycle.)
+#[test]
+fn no_pthread_key_left_means_no_thread_cache() {
+    if run_in_child("no_pthread_key_left_means_no_thread_cache").is_some() {
+        return;
+    }
+    // SAFETY: `alarm` has no preconditions; SIGALRM's default action ends a hung child.
+    unsafe { libc::alarm(60) };
+    let mut key = 0;
+    // SAFETY: a valid place for the key, and a destructor that does not unwind.
+    let made = unsafe { libc::pthread_key_create(&mut key, Some(allocating_key_destructor)) };
+    assert_eq!(made, 0);
+    println!("{} more keys made", use_up_pthread_keys());
+    for round in 0..4 {
+        on_pthread(set_key, key as usize);
+        let s = KEYED.stats();
+        assert_eq!(
+            (s.num_cached_chunks, s.bytes_in_use),
+            (0, 0),
+            "round {round}: blocks left behind by an exited thread"
+        );
+        KEYED.check().unwrap();
+    }
+    assert_eq!(on_pthread(allocate, 0), 0, "a thread cached blocks");
+    assert_eq!(KEYED.stats().num_cached_chunks, 0);
+}
+
+/// A heap makes the thread caches' exit key when it starts, so a program that uses up the keys
+/// later still gets caches on new threads, flushed at their exit.
+#[test]
+fn the_exit_key_is_made_when_the_heap_starts() {
+    if run_in_child("the_exit_key_is_made_when_the_heap_starts").is_some() {
+        return;
+    }
+    // SAFETY: as above.
+    unsafe { libc::alarm(60) };
+    assert!(KEYED.check().is_ok());
+    println!("{} more keys made", use_up_pthread_keys());
+    for round in 0..4 {
+        let cached = on_pthread(allocate, 0);
+        assert!(cached > 0, "round {round}: the thread had no cache");
+        let s = KEYED.stats();
+        assert_eq!(
+            (s.num_cached_chunks, s.bytes_in_use),
+            (0, 0),
+            "round {round}: an exited thread's cache was not flushed"
+        );
+        KEYED.check().unwrap();
+    }
 }

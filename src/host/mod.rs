@@ -699,6 +699,12 @@ impl Heap {
     /// Reserves the arena and metadata, builds the heap in its anchor (in the metadata reservation)
     /// and returns the anchor and the heap's id. Allocates nothing.
     fn init(config: &HostConfig) -> Option<(NonNull<Anchor>, usize)> {
+        // The thread caches' exit key, made before the program may have used up its keys (a thread
+        // gets no cache without it).
+        #[cfg(feature = "std")]
+        if config.thread_cache {
+            tcache::make_exit_key();
+        }
         let page = os::page_size();
         let engine_config = Config {
             map_block_granules: (MAP_BLOCK / config.granule).max(1),

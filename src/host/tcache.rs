@@ -473,9 +473,6 @@ impl Transfer {
 #[cfg(not(loom))]
 std::thread_local! {
     static CACHE: ThreadCache = const { ThreadCache::new() };
-    /// Flushes the thread's cache when the thread exits, where no pthread key can be had (see
-    /// [`register_exit_flush`]).
-    static EXIT: ExitFlush = const { ExitFlush };
 }
 
 // Loom keeps thread-locals by value in frames of its own, on small coroutine stacks: box it.
@@ -493,35 +490,41 @@ pub(crate) fn with<R>(f: impl FnOnce(&ThreadCache) -> R) -> Option<R> {
     return CACHE.try_with(|c| f(c)).ok();
 }
 
-/// Makes sure the cache is flushed when the thread exits. Returns `false` if it cannot be (the
-/// thread is already exiting). May allocate (a pthread key's second-level block, or the
-/// runtime's destructor list, in the C library's allocator).
+/// Makes sure the cache is flushed when the thread exits: sets a pthread key whose destructor
+/// flushes it. Returns `false` if it cannot (no key could be made, or the C library refused to
+/// set it): then the cache must not serve, for nothing would give its blocks back. May allocate
+/// (a key's second-level block, in the C library's allocator).
 ///
-/// The hook is a pthread key's destructor. glibc runs the destructors of thread-locals first, then
-/// the keys' (in passes, while keys are set again), so the flush comes after every thread-local's
-/// destructor that allocates or frees, and a cache first bound inside another key's destructor (a
-/// thread started outside Rust, whose first allocation is there) is flushed in the next pass. A
-/// thread-local's destructor ([`ExitFlush`]) is the hook only when no key can be had: registered
-/// after the thread-locals' destructors ran, it would never run (and glibc would keep its record,
-/// 32 bytes, for good). The main thread's cache is not flushed at `exit` (which runs no key
-/// destructors); the process is ending.
+/// glibc runs the destructors of thread-locals first, then the keys' (in passes, while keys are
+/// set again, four at most). So the flush comes after every thread-local's destructor that
+/// allocates or frees, and a cache first bound inside another key's destructor (a thread started
+/// outside Rust, whose first allocation is there) is flushed in the next pass, unless that was
+/// the last. (A thread-local's destructor as the hook would not run at all there: registered
+/// after the thread-locals' destructors ran, glibc keeps its record, 32 bytes, and never runs it.)
+/// The main thread's cache is not flushed at `exit` (which runs no key destructors): the process
+/// is ending.
 pub(crate) fn register_exit_flush() -> bool {
     #[cfg(not(loom))]
     {
-        if let Some(key) = exit_key() {
-            // SAFETY: `key` is a live key (never deleted once published). A non-null value makes
-            // its destructor run at thread exit.
-            let set = unsafe {
-                libc::pthread_setspecific(key, core::ptr::NonNull::<u8>::dangling().as_ptr().cast())
-            };
-            if set == 0 {
-                return true;
-            }
+        let Some(key) = exit_key() else {
+            return false;
+        };
+        // SAFETY: `key` is a live key (never deleted once published). A non-null value makes its
+        // destructor run at thread exit.
+        unsafe {
+            libc::pthread_setspecific(key, core::ptr::NonNull::<u8>::dangling().as_ptr().cast())
+                == 0
         }
-        EXIT.try_with(|_| ()).is_ok()
     }
     #[cfg(loom)]
     return true;
+}
+
+/// Makes the exit key now, at a heap's initialisation, before the program may have used up the
+/// system's keys (then caches would be refused: see [`register_exit_flush`]). Allocates nothing.
+pub(crate) fn make_exit_key() {
+    #[cfg(not(loom))]
+    let _ = exit_key();
 }
 
 /// The process's exit-flush key plus one (0: none yet).
@@ -529,7 +532,7 @@ pub(crate) fn register_exit_flush() -> bool {
 static EXIT_KEY: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
 
 /// The pthread key whose destructor flushes the exiting thread's cache, made on first use. `None`
-/// if the system has no key left (then the thread-local's destructor flushes).
+/// if the system has no key left.
 #[cfg(not(loom))]
 fn exit_key() -> Option<libc::pthread_key_t> {
     use core::sync::atomic::Ordering::{AcqRel, Acquire};
@@ -557,16 +560,6 @@ fn exit_key() -> Option<libc::pthread_key_t> {
 #[cfg(not(loom))]
 extern "C" fn exit_key_destructor(_: *mut core::ffi::c_void) {
     let _ = CACHE.try_with(super::on_thread_exit);
-}
-
-#[cfg(not(loom))]
-struct ExitFlush;
-
-#[cfg(not(loom))]
-impl Drop for ExitFlush {
-    fn drop(&mut self) {
-        let _ = CACHE.try_with(super::on_thread_exit);
-    }
 }
 
 /// Loom build: runs this thread's exit flush now. Loom drops a thread's locals after `join` has
