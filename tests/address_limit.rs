@@ -12,6 +12,12 @@ use std::process::Command;
 
 use bfc_alloc::{GlobalBfc, HostConfig};
 
+#[path = "common/keyed.rs"]
+mod keyed;
+use keyed::{
+    allocating_key, assert_no_block_left, cached_by_an_allocating_thread, first_use_at_exit, KEYED,
+};
+
 const CASE_ENV: &str = "BFC_ADDRESS_LIMIT_CASE";
 
 /// A `/proc/self/status` field in bytes (`VmSize`, `VmData`).
@@ -398,56 +404,6 @@ fn a_data_limit_leaves_realloc_working() {
     a.check().unwrap();
 }
 
-/// The private heap of the pthread-key cases (each runs in a process of its own).
-static KEYED: GlobalBfc = GlobalBfc::new();
-
-/// A key whose destructor allocates from [`KEYED`] and frees: the first use of a thread started
-/// outside Rust, at its exit.
-unsafe extern "C" fn allocating_key_destructor(_: *mut libc::c_void) {
-    let l = Layout::from_size_align(16, 8).unwrap();
-    let mut blocks = [std::ptr::null_mut::<u8>(); 200];
-    for b in &mut blocks {
-        // SAFETY: a non-zero size.
-        *b = unsafe { KEYED.alloc(l) };
-    }
-    for &b in &blocks {
-        assert!(!b.is_null());
-        // SAFETY: from `KEYED.alloc(l)`, freed once.
-        unsafe { KEYED.dealloc(b, l) };
-    }
-}
-
-/// A `pthread_create` thread that only sets the key in `arg`.
-extern "C" fn set_key(arg: *mut libc::c_void) -> *mut libc::c_void {
-    // SAFETY: `arg` is a live key; a non-null value makes its destructor run at exit.
-    unsafe { libc::pthread_setspecific(arg as libc::pthread_key_t, arg.wrapping_add(1)) };
-    std::ptr::null_mut()
-}
-
-/// A `pthread_create` thread that allocates and frees small blocks from [`KEYED`]; returns its
-/// cached bytes before it exits.
-extern "C" fn allocate(_: *mut libc::c_void) -> *mut libc::c_void {
-    // SAFETY: as in `allocating_key_destructor`.
-    unsafe { allocating_key_destructor(std::ptr::null_mut()) };
-    KEYED.thread_cache_bytes() as *mut libc::c_void
-}
-
-/// Runs `f(arg)` on a `pthread_create` thread (not `std::thread`, which needs keys of its own) and
-/// returns what it returned.
-fn on_pthread(f: extern "C" fn(*mut libc::c_void) -> *mut libc::c_void, arg: usize) -> usize {
-    let mut t: libc::pthread_t = 0;
-    let mut ret = std::ptr::null_mut();
-    // SAFETY: default attributes, a thread function of the right type, joined at once.
-    unsafe {
-        assert_eq!(
-            libc::pthread_create(&mut t, std::ptr::null(), f, arg as *mut _),
-            0
-        );
-        assert_eq!(libc::pthread_join(t, &mut ret), 0);
-    }
-    ret as usize
-}
-
 /// Makes pthread keys until the system refuses; returns how many.
 fn use_up_pthread_keys() -> usize {
     let mut made = 0;
@@ -474,22 +430,17 @@ fn no_pthread_key_left_means_no_thread_cache() {
     }
     // SAFETY: `alarm` has no preconditions; SIGALRM's default action ends a hung child.
     unsafe { libc::alarm(60) };
-    let mut key = 0;
-    // SAFETY: a valid place for the key, and a destructor that does not unwind.
-    let made = unsafe { libc::pthread_key_create(&mut key, Some(allocating_key_destructor)) };
-    assert_eq!(made, 0);
+    allocating_key();
     println!("{} more keys made", use_up_pthread_keys());
     for round in 0..4 {
-        on_pthread(set_key, key as usize);
-        let s = KEYED.stats();
-        assert_eq!(
-            (s.num_cached_chunks, s.bytes_in_use),
-            (0, 0),
-            "round {round}: blocks left behind by an exited thread"
-        );
-        KEYED.check().unwrap();
+        first_use_at_exit();
+        assert_no_block_left(round);
     }
-    assert_eq!(on_pthread(allocate, 0), 0, "a thread cached blocks");
+    assert_eq!(
+        cached_by_an_allocating_thread(),
+        0,
+        "a thread cached blocks"
+    );
     assert_eq!(KEYED.stats().num_cached_chunks, 0);
 }
 
@@ -505,14 +456,8 @@ fn the_exit_key_is_made_when_the_heap_starts() {
     assert!(KEYED.check().is_ok());
     println!("{} more keys made", use_up_pthread_keys());
     for round in 0..4 {
-        let cached = on_pthread(allocate, 0);
+        let cached = cached_by_an_allocating_thread();
         assert!(cached > 0, "round {round}: the thread had no cache");
-        let s = KEYED.stats();
-        assert_eq!(
-            (s.num_cached_chunks, s.bytes_in_use),
-            (0, 0),
-            "round {round}: an exited thread's cache was not flushed"
-        );
-        KEYED.check().unwrap();
+        assert_no_block_left(round);
     }
 }

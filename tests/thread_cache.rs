@@ -9,6 +9,10 @@ use std::sync::Mutex;
 
 use bfc_alloc::{GlobalBfc, MAX_CACHED_BYTES};
 
+#[path = "common/keyed.rs"]
+mod keyed;
+use keyed::{assert_no_block_left, first_use_at_exit};
+
 #[global_allocator]
 static A: GlobalBfc = GlobalBfc::new();
 
@@ -202,35 +206,6 @@ fn the_cache_is_bounded_and_flushes_on_demand() {
     A.check().unwrap();
 }
 
-/// The instance the pthread-key test's threads use (and nothing else, so that its counts are theirs).
-static KEYED: GlobalBfc = GlobalBfc::new();
-
-/// The pthread key whose destructor, at the exit of a thread started outside Rust, allocates and
-/// frees: that thread's first use of [`KEYED`], through its cache (which binds there).
-static ALLOCATING_KEY: std::sync::OnceLock<libc::pthread_key_t> = std::sync::OnceLock::new();
-
-unsafe extern "C" fn allocating_key_destructor(_: *mut libc::c_void) {
-    let l = Layout::from_size_align(16, 8).unwrap();
-    let mut blocks = [core::ptr::null_mut::<u8>(); 200];
-    for b in &mut blocks {
-        // SAFETY: a non-zero size.
-        *b = unsafe { KEYED.alloc(l) };
-    }
-    for &b in &blocks {
-        assert!(!b.is_null());
-        // SAFETY: from `KEYED.alloc(l)`, freed once.
-        unsafe { KEYED.dealloc(b, l) };
-    }
-}
-
-/// A thread started with `pthread_create` that only sets the key (and uses no allocator).
-extern "C" fn set_the_allocating_key(_: *mut libc::c_void) -> *mut libc::c_void {
-    let key = *ALLOCATING_KEY.get().expect("made by the test");
-    // SAFETY: a live key; a non-null value makes its destructor run at this thread's exit.
-    unsafe { libc::pthread_setspecific(key, core::ptr::NonNull::<u8>::dangling().as_ptr().cast()) };
-    core::ptr::null_mut()
-}
-
 /// A thread whose first allocation comes in a pthread key's destructor (glibc runs those after the
 /// destructors of Rust's thread-locals) still gives its cache back at exit: no block stays cached
 /// for it. (Its cache stayed bound and registered after the thread's storage went, its blocks
@@ -240,13 +215,6 @@ extern "C" fn set_the_allocating_key(_: *mut libc::c_void) -> *mut libc::c_void 
 #[test]
 fn a_thread_that_first_allocates_in_a_pthread_key_destructor_gives_its_cache_back() {
     let _s = serial();
-    ALLOCATING_KEY.get_or_init(|| {
-        let mut key = 0;
-        // SAFETY: a valid place for the key, and a destructor that does not unwind.
-        let r = unsafe { libc::pthread_key_create(&mut key, Some(allocating_key_destructor)) };
-        assert_eq!(r, 0);
-        key
-    });
     // The C library's heap in use (this binary's Rust allocations go to `A`); the first threads
     // warm its caches (thread stacks and their storage) up.
     const WARM: usize = 8;
@@ -262,26 +230,8 @@ fn a_thread_that_first_allocates_in_a_pthread_key_destructor_gives_its_cache_bac
         if round == WARM {
             warm = c_heap();
         }
-        let mut t: libc::pthread_t = 0;
-        // SAFETY: default attributes, a thread function of the right type, joined below.
-        unsafe {
-            let f = set_the_allocating_key;
-            assert_eq!(
-                libc::pthread_create(&mut t, core::ptr::null(), f, core::ptr::null_mut()),
-                0
-            );
-            assert_eq!(libc::pthread_join(t, core::ptr::null_mut()), 0);
-        }
-        // (The transfer cache, which takes an exiting thread's blocks, drained: this thread's
-        // cache serves `A`.)
-        KEYED.release_free_memory();
-        let s = KEYED.stats();
-        assert_eq!(
-            (s.num_cached_chunks, s.bytes_in_use),
-            (0, 0),
-            "round {round}: blocks left in an exited thread's cache"
-        );
-        KEYED.check().unwrap();
+        first_use_at_exit();
+        assert_no_block_left(round);
     }
     let grown = c_heap().saturating_sub(warm);
     assert!(

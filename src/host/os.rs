@@ -150,7 +150,7 @@ pub(crate) unsafe fn commit(ptr: usize, size: usize) -> bool {
 /// for want of memory for its own records (which happens when the process is being killed for
 /// memory): the range is then mapped again here, where nothing else was mapped meanwhile
 /// (`MAP_FIXED_NOREPLACE`; elsewhere than Linux, a hint). (Under Miri, which has no fixed
-/// mappings, it only zeroes the range, which stays accessible.)
+/// mappings, it is a [`discard`]: the range reads as zero and stays accessible.)
 ///
 /// # Safety
 /// The range is page-aligned, inside a mapping made by [`reserve_uncommitted`], and holds nothing
@@ -160,11 +160,8 @@ pub(crate) unsafe fn decommit(ptr: usize, size: usize) -> bool {
         return true;
     }
     #[cfg(miri)]
-    // SAFETY: guaranteed by the caller: the range is ours, accessible under Miri, and unused.
-    unsafe {
-        core::ptr::write_bytes(ptr as *mut u8, 0, size);
-        true
-    }
+    // SAFETY: guaranteed by the caller (under Miri the whole reservation is accessible).
+    return unsafe { discard(ptr, size) };
     #[cfg(not(miri))]
     {
         let reserve = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
