@@ -201,8 +201,8 @@ impl HostSource {
         // SAFETY: `from` and `done` are multiples of the page size inside the arena's reservation,
         // and the caller guarantees nothing needed lies in between. Whether or not the kernel
         // agreed, the committed end moves down: a range left mapped (as it was, its pages reading
-        // as zero) is committed again by a no-op `mprotect`, and one left unmapped makes that
-        // `mprotect` fail (the allocation returns null) rather than a write fault.
+        // as zero) is committed again by a no-op `mprotect`, and a hole the kernel left is mapped
+        // again by `decommit` (see there for the one case it does not cover).
         let _ = unsafe { os::decommit(self.arena + from, done - from) };
         self.arena_commit.done = from;
     }

@@ -149,8 +149,11 @@ pub(crate) unsafe fn commit(ptr: usize, size: usize) -> bool {
 /// `vm.max_map_count` and `RLIMIT_AS`, first); a kernel may also have removed it and then failed
 /// for want of memory for its own records (which happens when the process is being killed for
 /// memory): the range is then mapped again here, where nothing else was mapped meanwhile
-/// (`MAP_FIXED_NOREPLACE`; elsewhere than Linux, a hint). (Under Miri, which has no fixed
-/// mappings, it is a [`discard`]: the range reads as zero and stays accessible.)
+/// (`MAP_FIXED_NOREPLACE`; elsewhere than Linux, a hint). The one case this does not cover: another
+/// thread of that dying process maps memory into the hole before this call does; the heap could
+/// then commit and hand out that mapping later (jemalloc, which decommits the same way, takes the
+/// same risk). (Under Miri, which has no fixed mappings, it is a [`discard`]: the range reads as
+/// zero and stays accessible.)
 ///
 /// # Safety
 /// The range is page-aligned, inside a mapping made by [`reserve_uncommitted`], and holds nothing

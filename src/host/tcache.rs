@@ -495,12 +495,17 @@ pub(crate) fn with<R>(f: impl FnOnce(&ThreadCache) -> R) -> Option<R> {
 /// set it): then the cache must not serve, for nothing would give its blocks back. May allocate
 /// (a key's second-level block, in the C library's allocator).
 ///
-/// glibc runs the destructors of thread-locals first, then the keys' (in passes, while keys are
-/// set again, four at most). So the flush comes after every thread-local's destructor that
-/// allocates or frees, and a cache first bound inside another key's destructor (a thread started
-/// outside Rust, whose first allocation is there) is flushed in the next pass, unless that was
-/// the last. (A thread-local's destructor as the hook would not run at all there: registered
-/// after the thread-locals' destructors ran, glibc keeps its record, 32 bytes, and never runs it.)
+/// glibc runs the destructors of thread-locals first, then the keys' (in passes over the keys in
+/// the order they were made, while keys are set again, four passes at most). So the flush comes
+/// after every thread-local's destructor that allocates or frees, and a cache first bound inside
+/// another key's destructor (a thread started outside Rust, whose first allocation is there) is
+/// flushed later in that pass (through a key made before the exit key) or in the next one. Not
+/// when bound in a fourth pass through a key made after the exit key: that cache is never
+/// flushed, stays in its heap's list after the thread's storage is gone, and once another thread
+/// reuses that storage `stats` and the heap's other walks of the list may never end (a program
+/// whose own keys set themselves again three times at exit). (A thread-local's destructor as the hook would not
+/// run at all inside a key's destructor: registered after the thread-locals' destructors ran,
+/// glibc keeps its record, 32 bytes, and never runs it.)
 /// The main thread's cache is not flushed at `exit` (which runs no key destructors): the process
 /// is ending.
 pub(crate) fn register_exit_flush() -> bool {
