@@ -245,8 +245,8 @@ fn cross_thread_free_through_thread_caches() {
 }
 
 /// Model 6 (thread caches): a thread's exit flush races the drop of the allocator its cache is
-/// bound to (the thread no longer holds a reference, as when a thread-local destructor runs after
-/// the thread's closure). Either the flush runs against the live allocator or the drop first marks
+/// bound to (the thread no longer holds a reference, as when its exit flush runs after the
+/// thread's closure). Either the flush runs against the live allocator or the drop first marks
 /// the cache orphaned and the flush skips it; it never touches a dropped allocator.
 #[test]
 fn thread_exit_races_allocator_drop() {
@@ -261,7 +261,7 @@ fn thread_exit_races_allocator_drop() {
                 free(a, b); // stays in this thread's cache
             }
             done_tx.send(()).unwrap(); // the closure is done with `a`...
-            bfc_alloc::host::loom_exit_thread(); // ...and its thread-local destructor runs
+            bfc_alloc::host::loom_exit_thread(); // ...and its exit flush runs
         });
         done_rx.recv().unwrap();
         // SAFETY: the worker's reference ended before its signal; dropped once.

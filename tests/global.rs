@@ -699,7 +699,7 @@ fn child_entry() {
             "double_free_in_a_row" => {
                 dealloc(p, l);
                 dealloc(std::hint::black_box(p), l);
-                // Caught at the second free, not later: `_exit` runs no thread-local destructor,
+                // Caught at the second free, not later: `_exit` runs no thread-exit destructor,
                 // so no exit flush catches it.
                 libc::_exit(0);
             }
@@ -801,7 +801,7 @@ fn child_entry() {
                 let (_, tail) = span_tail_3072();
                 dealloc(tail as *mut u8, Layout::from_size_align(3072, 16).unwrap());
                 // Caught at the free, not later when a thread cache gives the block back (`_exit`
-                // runs no thread-local destructor, so no exit flush).
+                // runs no thread-exit destructor, so no exit flush).
                 libc::_exit(0);
             }
             "foreign" => {

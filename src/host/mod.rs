@@ -1679,8 +1679,8 @@ impl GlobalBfc {
 
     /// Runs `f` under the lock if the calling thread's cache `tc` is bound to this allocator,
     /// binding it first if it is unbound or its instance was dropped. `None` (nothing run) if the
-    /// cache serves another live instance, the thread is exiting, caches are off, or the arena is
-    /// unavailable.
+    /// cache serves another live instance, the thread is exiting, caches are off, the arena is
+    /// unavailable, or no exit flush could be set up (no pthread key: the cache then never serves).
     #[cfg(feature = "std")]
     fn with_bound_cache<R>(&self, tc: &ThreadCache, f: impl FnOnce(&mut Heap) -> R) -> Option<R> {
         let owner = tc.owner.get();

@@ -169,7 +169,8 @@ pub(crate) unsafe fn decommit(ptr: usize, size: usize) -> bool {
     {
         let reserve = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
         #[cfg(all(test, feature = "std", not(loom)))]
-        let failed = tests::failing_decommit(ptr, size);
+        // SAFETY: the caller's range (this function's contract).
+        let failed = unsafe { tests::failing_decommit(ptr, size) };
         #[cfg(not(all(test, feature = "std", not(loom))))]
         let failed = false;
         if !failed {
@@ -339,8 +340,12 @@ pub(crate) mod tests {
     }
 
     /// Whether the fixed mapping over `ptr..ptr + size` is to fail (having done what the armed
-    /// refusal leaves).
-    pub(super) fn failing_decommit(ptr: usize, size: usize) -> bool {
+    /// refusal leaves: for [`Refusal::Hole`], the range unmapped).
+    ///
+    /// # Safety
+    /// As for [`decommit`](super::decommit): the range is page-aligned, part of our reservation,
+    /// and holds nothing anyone needs.
+    pub(super) unsafe fn failing_decommit(ptr: usize, size: usize) -> bool {
         let (lo, hi) = (ARMED[0].load(SeqCst), ARMED[1].load(SeqCst));
         if !(lo <= ptr && ptr + size <= hi) {
             return false;
@@ -349,7 +354,7 @@ pub(crate) mod tests {
             0 => false,
             1 => true,
             _ => {
-                // SAFETY: the caller's range, ours and unused (`decommit`'s contract).
+                // SAFETY: the caller's range, ours and unused (the contract above).
                 assert_eq!(unsafe { libc::munmap(ptr as *mut libc::c_void, size) }, 0);
                 true
             }
