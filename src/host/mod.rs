@@ -258,6 +258,9 @@ struct Heap {
     /// none); linked through the caches' `prev`/`next`.
     #[cfg(feature = "std")]
     caches: usize,
+    /// Caches in the registry: a walk that meets more has found the list corrupted.
+    #[cfg(feature = "std")]
+    registered: usize,
     /// Fork generation the registry belongs to.
     #[cfg(feature = "std")]
     fork_gen: usize,
@@ -902,6 +905,7 @@ impl Heap {
                 {
                     addr_of_mut!((*heap).id).write(id);
                     addr_of_mut!((*heap).caches).write(0);
+                    addr_of_mut!((*heap).registered).write(0);
                     addr_of_mut!((*heap).fork_gen).write(fork_generation());
                     addr_of_mut!((*heap).transfer).write(tcache::Transfer::new(transfer));
                 }
@@ -925,6 +929,8 @@ impl Heap {
                         id: _,
                     #[cfg(feature = "std")]
                         caches: _,
+                    #[cfg(feature = "std")]
+                        registered: _,
                     #[cfg(feature = "std")]
                         fork_gen: _,
                     #[cfg(feature = "std")]
@@ -1755,6 +1761,23 @@ fn on_thread_exit(tc: &ThreadCache) {
     tc.owner.set(tcache::DEAD);
 }
 
+/// Aborts on a corrupted registry of thread caches (a cache linked twice, or links into another
+/// list), rather than walk it for ever. The known way there: a thread started outside Rust whose first allocation came in glibc's last pass of
+/// pthread key destructors left its cache registered (no pass flushed it), and a new thread
+/// reused its storage (see `tcache::register_exit_flush`).
+#[cfg(feature = "std")]
+#[cold]
+fn registry_corrupted() -> ! {
+    // (The loom models' negative controls expect a panic.)
+    #[cfg(loom)]
+    panic!("the thread cache registry is corrupted");
+    #[cfg(not(loom))]
+    os::fatal(format_args!(
+        "the thread cache registry is corrupted: a walk met more caches than were registered (a \
+         thread that first allocated in the last pass of pthread key destructors exited unflushed?)"
+    ))
+}
+
 /// The cache at a registry address.
 ///
 /// # Safety
@@ -1778,6 +1801,7 @@ impl Heap {
         }
         self.fork_gen = generation;
         self.caches = 0;
+        self.registered = 0;
         #[cfg(not(loom))]
         {
             use core::sync::atomic::Ordering::Relaxed;
@@ -1794,6 +1818,10 @@ impl Heap {
     fn register(&mut self, tc: &ThreadCache) {
         use crate::sync::Ordering::Relaxed;
         let me = tc as *const ThreadCache as usize;
+        if self.caches == me {
+            registry_corrupted();
+        }
+        self.registered += 1;
         tc.prev.store(0, Relaxed);
         tc.next.store(self.caches, Relaxed);
         if self.caches != 0 {
@@ -1806,6 +1834,7 @@ impl Heap {
     /// Removes `tc` from the registry.
     fn unregister(&mut self, tc: &ThreadCache) {
         use crate::sync::Ordering::Relaxed;
+        self.registered -= 1;
         let (prev, next) = (tc.prev.load(Relaxed), tc.next.load(Relaxed));
         if prev == 0 {
             self.caches = next;
@@ -1819,10 +1848,16 @@ impl Heap {
         }
     }
 
-    /// Runs `f` on every registered cache (touching only their atomics).
+    /// Runs `f` on every registered cache (touching only their atomics). Aborts when the list
+    /// holds more caches than were registered (a cycle: see [`registry_corrupted`]).
     fn for_each_cache(&self, mut f: impl FnMut(&ThreadCache)) {
         let mut cur = self.caches;
+        let mut seen = 0;
         while cur != 0 {
+            seen += 1;
+            if seen > self.registered {
+                registry_corrupted();
+            }
             // SAFETY: a registered cache, under the heap lock.
             let tc = unsafe { cache_at(cur) };
             f(tc);

@@ -502,7 +502,7 @@ pub(crate) fn with<R>(f: impl FnOnce(&ThreadCache) -> R) -> Option<R> {
 /// flushed later in that pass (through a key made before the exit key) or in the next one. Not
 /// when bound in a fourth pass through a key made after the exit key: that cache is never
 /// flushed, stays in its heap's list after the thread's storage is gone, and once another thread
-/// reuses that storage `stats` and the heap's other walks of the list may never end (a program
+/// reuses that storage the heap's next walk of the list aborts (`registry_corrupted`; a program
 /// whose own keys set themselves again three times at exit). (A thread-local's destructor as the
 /// hook would not run at all inside a key's destructor: registered after the thread-locals'
 /// destructors ran, glibc keeps its record, 32 bytes, and never runs it.) The main thread's cache

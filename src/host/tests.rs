@@ -250,6 +250,55 @@ fn a_block_past_the_committed_arena_aborts() {
     assert_child_aborts("host::tests", case, "beyond the committed arena; aborting");
 }
 
+/// A thread cache registered twice (as when a thread that exited unflushed left its cache in the
+/// registry and a new thread reuses its storage) makes a cycle of the registry: `stats` aborts
+/// with a message that says so, rather than walk it for ever. So does a second registration at
+/// the head.
+#[test]
+#[cfg_attr(miri, ignore = "spawns a child process")]
+fn a_cache_registered_twice_aborts_rather_than_loop() {
+    for case in [
+        "a_cache_registered_twice_aborts_rather_than_loop_in_a_walk",
+        "a_cache_registered_twice_aborts_rather_than_loop_at_the_head",
+    ] {
+        assert_child_aborts(
+            "host::tests",
+            case,
+            "the thread cache registry is corrupted",
+        );
+    }
+}
+
+/// Registers `caches` in order on a private instance's heap, then walks the registry (`stats`).
+fn register_then_walk(caches: &[&ThreadCache]) {
+    let a = small_instance();
+    a.with_heap(|h| {
+        for tc in caches {
+            h.register(tc);
+        }
+    });
+    let _ = a.stats();
+    std::println!("child survived");
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "run as a child process")]
+fn a_cache_registered_twice_aborts_rather_than_loop_in_a_walk() {
+    if is_child("a_cache_registered_twice_aborts_rather_than_loop_in_a_walk") {
+        let (x, y) = (ThreadCache::new(), ThreadCache::new());
+        register_then_walk(&[&x, &y, &x]);
+    }
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "run as a child process")]
+fn a_cache_registered_twice_aborts_rather_than_loop_at_the_head() {
+    if is_child("a_cache_registered_twice_aborts_rather_than_loop_at_the_head") {
+        let x = ThreadCache::new();
+        register_then_walk(&[&x, &x]);
+    }
+}
+
 /// The checker sees a block in the calling thread's cache that its span holds as free (a double
 /// free not caught yet).
 #[test]
