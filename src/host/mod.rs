@@ -1264,9 +1264,8 @@ impl Heap {
                 // SAFETY: `keep..brk` is page-aligned (brk rounded up) and inside the free top chunk.
                 // `brk` moves down only if the pages now read as zero (`alloc_zeroed` relies on it).
                 if unsafe { os::discard(keep, self.brk.next_multiple_of(page) - keep) } {
-                    self.brk = keep;
-                    // SAFETY: `keep` is the touched end now: the free top lies past it, zeroed.
-                    unsafe { self.bfc.source_mut().decommit_arena(keep) };
+                    // SAFETY: past `keep` lies the free top, its pages just discarded.
+                    unsafe { self.lower_touched_end(keep) };
                 }
             }
             return;
@@ -1336,11 +1335,21 @@ impl Heap {
             zeroed
         });
         if new_brk < self.brk {
-            self.brk = new_brk;
-            // SAFETY: `new_brk` is the touched end now: past it lies the free top, zeroed.
-            unsafe { self.bfc.source_mut().decommit_arena(new_brk) };
+            // SAFETY: past `new_brk` lies the free top, its pages just discarded.
+            unsafe { self.lower_touched_end(new_brk) };
         }
         covered
+    }
+
+    /// Moves the touched end (`brk`) down to `end`, and the arena's commit after it.
+    ///
+    /// # Safety
+    /// Past `end` lies only the free top of the arena, and its pages read as zero (the kernel took
+    /// them back).
+    unsafe fn lower_touched_end(&mut self, end: usize) {
+        self.brk = end;
+        // SAFETY: `end` is the touched end now, with nothing handed out and only zeros past it.
+        unsafe { self.bfc.source_mut().decommit_arena(end) };
     }
 
     #[inline]
@@ -1762,9 +1771,10 @@ fn on_thread_exit(tc: &ThreadCache) {
 }
 
 /// Aborts on a corrupted registry of thread caches (a cache linked twice, or links into another
-/// list), rather than walk it for ever. The known way there: a thread started outside Rust whose first allocation came in glibc's last pass of
-/// pthread key destructors left its cache registered (no pass flushed it), and a new thread
-/// reused its storage (see `tcache::register_exit_flush`).
+/// list), rather than walk it for ever. The known way there: a thread started outside Rust whose
+/// first allocation came in glibc's last pass of pthread key destructors left its cache
+/// registered (no pass flushed it), and a new thread reused its storage (see
+/// `tcache::register_exit_flush`).
 #[cfg(feature = "std")]
 #[cold]
 fn registry_corrupted() -> ! {

@@ -549,17 +549,22 @@ fn check_reports_use_past_the_committed_parts() {
 
 /// Bytes of `lo..hi` in readable and writable mappings (`/proc/self/maps`).
 fn accessible_bytes(lo: usize, hi: usize) -> usize {
+    bytes_in_maps(lo, hi, |perms| perms.starts_with("rw"))
+}
+
+/// Bytes of `lo..hi` in the mappings (`/proc/self/maps`) whose permissions `keep` accepts.
+fn bytes_in_maps(lo: usize, hi: usize, keep: impl Fn(&str) -> bool) -> usize {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
     maps.lines()
         .filter_map(|line| {
             let mut f = line.split_whitespace();
             let (a, b) = f.next()?.split_once('-')?;
-            let rw = f.next()?.starts_with("rw");
+            let kept = keep(f.next()?);
             let (a, b) = (
                 usize::from_str_radix(a, 16).ok()?,
                 usize::from_str_radix(b, 16).ok()?,
             );
-            rw.then(|| b.min(hi).saturating_sub(a.max(lo)))
+            kept.then(|| b.min(hi).saturating_sub(a.max(lo)))
         })
         .sum()
 }
@@ -649,17 +654,7 @@ fn only_what_the_heap_reached_is_committed() {
 
 /// Bytes of `lo..hi` in any mapping, accessible or not (`/proc/self/maps`).
 fn mapped_bytes(lo: usize, hi: usize) -> usize {
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-    maps.lines()
-        .filter_map(|line| {
-            let (a, b) = line.split_whitespace().next()?.split_once('-')?;
-            let (a, b) = (
-                usize::from_str_radix(a, 16).ok()?,
-                usize::from_str_radix(b, 16).ok()?,
-            );
-            Some(b.min(hi).saturating_sub(a.max(lo)))
-        })
-        .sum()
+    bytes_in_maps(lo, hi, |_| true)
 }
 
 /// A decommit of the free top whose fixed mapping fails, each way it can, leaves the heap working:
