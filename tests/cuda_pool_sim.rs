@@ -1712,6 +1712,97 @@ fn a_panic_recycling_an_event_keeps_the_empty_queue_count() {
     }
 }
 
+/// A stream's own allocation that empties a batch with an event leaves the event in
+/// `State::retired` (no back-end call while it holds the block). A trim that then finds the stream
+/// idle returns its last (open) batch through `release_batch` -> `recycle` -> `recycle_retired`,
+/// which hands that retired event to the back end: if that panics, the queue has just been emptied
+/// but `close` never reaches `remove_queue`, so the queue stays, empty, with `empty_queues` not
+/// counting it. The next free on the stream (push_open: `empty_queues -= 1`) underflows, and every
+/// later poll trips the debug check of the count. (The same class as
+/// `a_panic_recycling_an_event_keeps_the_empty_queue_count`, on a path that only
+/// calls the back end since 5203cc7 made `recycle` also drain `retired`.) Found by a review.
+#[test]
+fn a_panic_recycling_a_retired_event_in_a_trim_keeps_the_empty_queue_count() {
+    let dev = SimDevice::new(GIB);
+    let p = counting_pool(&dev, 64 * MIB);
+    let a = Counted(A, Arc::new(()));
+    let x = counted_alloc(&p, &a, MIB);
+    let y = counted_alloc(&p, &a, 2 * MIB);
+    dev.enqueue(A); // A is busy.
+    drop(x);
+    p.trim(); // A busy: x's batch gets an event.
+    drop(y); // An open batch after it.
+             // A's own allocation takes x's block out of its batch with an event (the event is not done):
+             // the batch goes, its event waits in `retired`.
+    let x2 = counted_alloc(&p, &a, MIB);
+    dev.complete_all(); // A is idle now.
+                        // The trim closes A: idle, so its only batch (y, open) goes back, and `recycle` hands the
+                        // back end the retired event: a panic.
+    let panicked = with_switch(&PANIC_IN_RECYCLE_EVENT, true, || p.trim());
+    assert!(panicked.is_err(), "the back end was not called");
+    // Calls on the pool's lock go on working (as they do after the other recycle panics).
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        drop(x2); // Into A's (empty) queue.
+        let z = counted_alloc(&p, &a, 3 * MIB);
+        drop(z);
+        p.trim();
+        p.synchronize();
+    }));
+    assert!(
+        r.is_ok(),
+        "the pool broke after a back end panicked recycling an event in a trim"
+    );
+    p.check().unwrap();
+    let s = p.stats();
+    assert_eq!((s.pending_blocks, s.allocator.bytes_in_use), (0, 0));
+}
+
+/// A poll with more than 16 stream queues, some empty, drops the empty ones
+/// (`drop_empty_queues`), dropping their stream handles under the lock before it resets
+/// `empty_queues`. A stream handle that panics when dropped leaves the queue gone but still
+/// counted, and every later poll trips the debug check of the count.
+#[test]
+fn a_panic_dropping_an_empty_queues_stream_handle_keeps_the_empty_queue_count() {
+    let dev = SimDevice::new(GIB);
+    let p = counting_pool(&dev, 256 * MIB);
+    // 18 streams on the pool's lock (CountingBackend caches only streams 3 and 4), each with a
+    // queue holding one open block.
+    let streams: Vec<Counted> = (10..28)
+        .map(|n| Counted(SimStream(n), Arc::new(())))
+        .collect();
+    for s in &streams {
+        drop(counted_alloc(&p, s, 4096));
+    }
+    // The first stream takes its block back: its queue is left empty (and kept).
+    let held = counted_alloc(&p, &streams[0], 4096);
+    // The next call on the lock polls: 18 queues, one empty -> drop_empty_queues, whose drop of
+    // the empty queue's stream handle panics.
+    let panicked = with_switch(&PANIC_IN_STREAM_DROP, true, || {
+        drop(counted_alloc(&p, &streams[1], 4096))
+    });
+    assert!(panicked.is_err(), "no stream handle was dropped");
+    // (`held` is not captured: its drop would run the same failing check during the unwind,
+    // a panic in a destructor during cleanup, which aborts the process.)
+    let catch =
+        |f: &mut dyn FnMut()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_ok();
+    let mut held = Some(held);
+    let ok = [
+        catch(&mut || drop(counted_alloc(&p, &streams[2], 4096))),
+        catch(&mut || drop(held.take())),
+        catch(&mut || {
+            p.synchronize();
+        }),
+    ];
+    assert_eq!(
+        ok, [true; 3],
+        "the pool broke after a stream handle panicked in a drop of empty queues \
+         (an allocation, a free, a synchronisation)"
+    );
+    p.check().unwrap();
+    let s = p.stats();
+    assert_eq!((s.pending_blocks, s.allocator.bytes_in_use), (0, 0));
+}
+
 /// A stream's allocation that takes the last block of one of its batches with an event calls no
 /// back end while it holds that block: the event goes back at the next poll, so a back end that
 /// panics recycling it loses no block (the panic comes from the next call on the pool's lock, with

@@ -711,11 +711,14 @@ impl<B: DeviceBackend> State<B> {
         let mut qi = 0;
         while qi < self.queues.len() {
             if self.queues[qi].batches.is_empty() {
+                // (Uncounted before the queue's stream handle is dropped, which may panic.)
+                self.empty_queues -= 1;
                 self.remove_queue(qi);
             } else {
                 qi += 1;
             }
         }
+        debug_assert_eq!(self.empty_queues, 0, "the count of empty queues");
         self.empty_queues = 0;
     }
 
@@ -784,8 +787,13 @@ impl<B: DeviceBackend> State<B> {
         match self.backend().stream_done(&stream) {
             Ok(true) => {
                 while let Some(b) = self.queues[qi].batches.pop_front() {
+                    // (Counted before the back end recycles retired events, which may panic.)
+                    if self.queues[qi].batches.is_empty() {
+                        self.empty_queues += 1;
+                    }
                     self.release_batch(b);
                 }
+                self.empty_queues -= 1;
                 self.remove_queue(qi);
                 return true;
             }
