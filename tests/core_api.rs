@@ -1,6 +1,7 @@
 //! Edge cases of the no_std engine's public API, with the simulated source.
 
 use bfc_alloc::core::sim::SimSource;
+use bfc_alloc::core::{AllocError, OomCause};
 use bfc_alloc::{Bfc, Chunk, Config};
 
 fn run(config: Config, base: usize, cap: usize, table_len: usize) {
@@ -259,4 +260,43 @@ fn releasing_then_dropping_gives_each_region_back_once() {
     // (A second free of a region would underflow the count, and the simulated source refuses it.)
     drop(bfc);
     assert_eq!(out.get(), 0);
+}
+
+/// With the chunk table full, a request that the first fit found would have to split (a new
+/// record) is served by a free chunk that fits it whole, deeper in its class's list.
+#[test]
+fn a_full_chunk_table_still_serves_a_request_a_free_chunk_fits_whole() {
+    let g = 16; // the host granule
+    let req = 128 * g;
+    // 9 blocks, each followed by a separator that is never freed, and the rest of the region: 19
+    // records, the whole table.
+    let mut b = Bfc::new(
+        Config::host(1 << 20),
+        SimSource::new(1 << 40, 1 << 30),
+        vec![Chunk::EMPTY; 19],
+    )
+    .unwrap();
+    let mut xs = Vec::new();
+    for i in 0..9 {
+        // The first block fits the request exactly, the others are a granule larger (a tail the
+        // host configuration splits off).
+        let size = if i == 0 { req } else { req + g };
+        xs.push(b.allocate(size, 1).unwrap());
+        b.allocate(1, 1).unwrap();
+    }
+    // The exact one freed first: last in its class's list (last freed first).
+    for &x in &xs {
+        b.deallocate(x).unwrap();
+    }
+    b.check().unwrap();
+    assert_eq!(b.records_touched(), 19);
+    let p = b.allocate(req, 1).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(p, xs[0]);
+    b.check().unwrap();
+    // A request only a split could serve still reports the full table.
+    match b.allocate(req - g, 1) {
+        Err(AllocError::OutOfMemory(r)) => assert_eq!(r.cause, OomCause::ChunkTableFull),
+        r => panic!("{r:?}"),
+    }
+    b.check().unwrap();
 }

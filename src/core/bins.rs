@@ -33,9 +33,8 @@ pub(crate) fn bin_for(g: usize) -> usize {
     }
 }
 
-/// Smallest size (granules) that lands in bin `b` (the class boundaries, used by tests).
+/// Smallest size (granules) that lands in bin `b` (the class boundaries).
 #[inline]
-#[cfg(test)]
 pub(crate) fn bin_lower_bound(b: usize) -> usize {
     if b < SL_COUNT {
         b

@@ -26,7 +26,9 @@
 //! otherwise the smallest that fits (ties: lowest address), going on up to 64 chunks until one fits;
 //! failing that it takes the head of the first non-empty higher class, every chunk of which is
 //! guaranteed to fit. Before the engine grows, or reports out of memory, it looks at every chunk of
-//! the request's own class, so a free chunk that fits is never passed over for good. TensorFlow's exact best fit
+//! the request's own class, so a free chunk that fits is never passed over for good; and when the
+//! chunk table is full and the chunk found would need a record for its padding or its tail, it
+//! looks for one that serves the request whole. TensorFlow's exact best fit
 //! (smallest size, then lowest address, kept in `std::set`s) costs O(log n) per operation; the
 //! fragmentation difference on a random workload is measured in `tests/fragmentation.rs`.
 //!
@@ -69,7 +71,7 @@ pub use chunk::{Chunk, ChunkHandle, ChunkStorage};
 pub use report::{AllocError, BinSummary, CheckError, FreeError, OomCause, OomReport, Stats};
 pub use source::MemorySource;
 
-use bins::{bin_for, Bins, NUM_GROUPS};
+use bins::{bin_for, bin_lower_bound, Bins, NUM_GROUPS};
 use chunk::ChunkTable;
 
 /// Maximum number of live regions.
@@ -589,7 +591,16 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         // Before growing, or failing: every chunk of the classes the fast path looked at only in
         // part (a class holds a range of sizes, and the chunk that fits may lie deep in its list).
         if let Some(h) = self.find(rounded, align, needed, usize::MAX) {
-            return self.take(h, rounded, align, bound);
+            return match self.take(h, rounded, align, bound) {
+                // The chunk found needs a record for its padding or its tail: one that serves the
+                // request whole needs none.
+                Err(Refusal::Oom(OomCause::ChunkTableFull)) => self
+                    .find_whole(rounded, align, bound)
+                    .map_or(Err(Refusal::Oom(OomCause::ChunkTableFull)), |h| {
+                        self.take(h, rounded, align, bound)
+                    }),
+                r => r,
+            };
         }
         // A new region is aligned to `align` up to 2 MiB, so it needs padding room only beyond that.
         let region_needed = rounded + (align - align.min(REGION_ALIGN_MAX));
@@ -1131,6 +1142,36 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             }
             if let Some((_, _, h)) = best {
                 return Some(h);
+            }
+            b = found + 1;
+        }
+        None
+    }
+
+    /// On a full chunk table: a free chunk that serves a request of `rounded` bytes at `align`
+    /// whole, ending at or below `bound`: aligned at its start and too small to split, so taking it
+    /// needs no new record. The first such chunk of the lowest class that has one.
+    #[cold]
+    fn find_whole(&self, rounded: usize, align: usize, bound: usize) -> Option<ChunkHandle> {
+        let mut b = bin_for(rounded >> self.granule_shift);
+        while let Some(found) = self.bins.first_non_empty_from(b) {
+            let smallest =
+                (bin_lower_bound(found).saturating_mul(self.config.granule)).max(rounded);
+            if self.should_split(smallest, rounded) {
+                // (Splitting is monotonic in the chunk's size: every chunk from here on is split.)
+                return None;
+            }
+            let mut cur = self.bins.head(found);
+            while let Some(h) = cur {
+                let c = self.table.get(h);
+                if c.size() >= rounded
+                    && c.ptr() % align == 0
+                    && !self.should_split(c.size(), rounded)
+                    && c.ptr() + c.size() <= bound
+                {
+                    return Some(h);
+                }
+                cur = c.free_next;
             }
             b = found + 1;
         }
