@@ -3,10 +3,14 @@
 //! held), so these run in a binary of their own: among the other simulator tests, a machine that
 //! runs 63 tests or more at once could leave two of their threads sharing a cache.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
-use bfc_alloc::cuda::{DeviceBuffer, PoolOptions, SimBackend, SimDevice};
+use bfc_alloc::cuda::{DeviceBuffer, PoolError, PoolOptions, SimBackend, SimDevice, SimStream};
 
+#[path = "common/rng.rs"]
+mod rng;
+use rng::Rng;
 #[path = "common/sim_pool.rs"]
 mod sim_pool;
 use sim_pool::{alloc, pool, Pool, C, D, GIB, MIB};
@@ -206,4 +210,215 @@ fn a_panic_closing_the_streams_a_full_engine_miss_drained_loses_no_block() {
         assert_eq!((s.pending_blocks, s.allocator.bytes_in_use), (0, 0));
     }
     assert_eq!(dev.bytes_live(), 0, "a region was kept");
+}
+
+/// What the stress test below knows: the live buffers and the uses of freed blocks not yet done.
+#[derive(Default)]
+struct Model {
+    live: Vec<(u64, u64)>,
+    /// Uses of freed blocks: (lo, hi, stream, item).
+    history: Vec<(u64, u64, SimStream, u64)>,
+    cross: usize,
+}
+
+/// Threads on shared and own streams (cached and on the lock), with uses on other streams, trims
+/// and synchronisations, while another thread switches driver failures on and off (event records,
+/// stream and event queries, use ordering, event creation, `finish_uses`): no two live buffers
+/// overlap, a block goes to another stream only once every earlier use of it is done or ordered
+/// before the new owner's work, and at the end every block is back and every region returned.
+/// `BFC_STRESS_SEEDS`, `BFC_STRESS_THREADS` and `BFC_STRESS_OPS` make it longer (defaults 10, 4
+/// and 6000).
+#[test]
+fn threads_with_failing_driver_calls_never_hand_a_busy_block_to_another_stream() {
+    let seeds = env_or("BFC_STRESS_SEEDS", 10);
+    for seed in 0..seeds {
+        one_run(seed);
+    }
+}
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+fn one_run(seed: u64) {
+    let dev = SimDevice::new(GIB);
+    let p = pool(&dev, PoolOptions::with_limit(12 * MIB));
+    let model = Mutex::new(Model::default());
+    let stop = AtomicBool::new(false);
+    let all: Vec<SimStream> = (1u64..=24).map(SimStream).collect();
+    std::thread::scope(|scope| {
+        let mut workers = Vec::new();
+        let threads = env_or("BFC_STRESS_THREADS", 4);
+        let ops = env_or("BFC_STRESS_OPS", 6000) as usize;
+        for t in 0..threads {
+            let (p, dev, model, all) = (&p, &dev, &model, &all);
+            workers.push(scope.spawn(move || {
+                let mine = [
+                    SimStream(3 + t),
+                    SimStream(3 + (t + 1) % 4),
+                    SimStream(1),
+                    SimStream(2),
+                    SimStream(7 + 4 * t),
+                    SimStream(8 + 4 * t),
+                    SimStream(9 + 4 * t),
+                    SimStream(10 + 4 * t),
+                ];
+                let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ((t + 1 + 8 * seed) * 0x1234_5678_9abc));
+                let mut live: Vec<DeviceBuffer<u8, SimBackend>> = Vec::new();
+                for _ in 0..ops {
+                    let r = rng.next();
+                    let s = mine[(r >> 8) as usize % mine.len()];
+                    match r % 16 {
+                        0..=6 => {
+                            let size = rng.log_size(1, 2 * MIB);
+                            match alloc(p, s, size) {
+                                Ok(b) => {
+                                    let lo = b.device_address();
+                                    let hi = lo + b.block_size() as u64;
+                                    let mut m = model.lock().unwrap();
+                                    for &(llo, lhi) in &m.live {
+                                        assert!(hi <= llo || lhi <= lo, "overlapping live buffers");
+                                    }
+                                    let next = (s, dev.queued(s) + 1);
+                                    let mut cross = 0;
+                                    for &(flo, fhi, fs, item) in &m.history {
+                                        if flo < hi && lo < fhi && fs != s {
+                                            cross += 1;
+                                            assert!(
+                                                dev.completed(fs) >= item
+                                                    || dev.ordered_before((fs, item), next),
+                                                "{s:?} got [{lo:#x},{hi:#x}) while item {item} \
+                                                 of {fs:?} on [{flo:#x},{fhi:#x}) may still run"
+                                            );
+                                        }
+                                    }
+                                    m.cross += cross;
+                                    m.live.push((lo, hi));
+                                    drop(m);
+                                    live.push(b);
+                                }
+                                Err(PoolError::OutOfMemory(_)) => {}
+                                Err(e) => panic!("{e}"),
+                            }
+                        }
+                        7..=11 if !live.is_empty() => {
+                            let b = live.swap_remove((r >> 20) as usize % live.len());
+                            let lo = b.device_address();
+                            let hi = lo + b.block_size() as u64;
+                            let home = *b.home_stream();
+                            let mut uses = Vec::new();
+                            if (r >> 30) % 4 == 0 {
+                                let other = all[(r >> 34) as usize % all.len()];
+                                uses.push((other, b.simulate_use(other)));
+                            }
+                            uses.push((home, dev.enqueue(home)));
+                            {
+                                let mut m = model.lock().unwrap();
+                                let i = m.live.iter().position(|&l| l == (lo, hi)).unwrap();
+                                m.live.swap_remove(i);
+                                for (us, item) in uses {
+                                    m.history.push((lo, hi, us, item));
+                                }
+                            }
+                            drop(b);
+                        }
+                        12 | 13 => {
+                            let s = all[(r >> 40) as usize % all.len()];
+                            let (done, queued) = (dev.completed(s), dev.queued(s));
+                            dev.complete_to(s, done + (r >> 44) % (queued - done + 1));
+                        }
+                        14 => {
+                            if (r >> 52) % 2 == 0 {
+                                p.trim();
+                            } else if let Some(b) = live.last() {
+                                b.simulate_launch();
+                            }
+                        }
+                        _ => {
+                            if (r >> 50) % 8 == 0 {
+                                p.synchronize();
+                            }
+                        }
+                    }
+                    let mut m = model.lock().unwrap();
+                    m.history
+                        .retain(|&(_, _, fs, item)| dev.completed(fs) < item);
+                    drop(m);
+                    if live.len() > 12 {
+                        for b in live.drain(6..) {
+                            let lo = b.device_address();
+                            let hi = lo + b.block_size() as u64;
+                            let home = *b.home_stream();
+                            let item = dev.enqueue(home);
+                            {
+                                let mut m = model.lock().unwrap();
+                                let i = m.live.iter().position(|&l| l == (lo, hi)).unwrap();
+                                m.live.swap_remove(i);
+                                m.history.push((lo, hi, home, item));
+                            }
+                            drop(b);
+                        }
+                    }
+                }
+                for b in live {
+                    let lo = b.device_address();
+                    let hi = lo + b.block_size() as u64;
+                    let mut m = model.lock().unwrap();
+                    let i = m.live.iter().position(|&l| l == (lo, hi)).unwrap();
+                    m.live.swap_remove(i);
+                    drop(m);
+                    drop(b);
+                }
+            }));
+        }
+        // The failure switch.
+        let (dev, stop) = (&dev, &stop);
+        scope.spawn(move || {
+            let mut rng = Rng(0xdead_beef_1234_5678 ^ (seed + 1));
+            while !stop.load(Ordering::Relaxed) {
+                let r = rng.next();
+                let on = (r >> 10) % 3 == 0;
+                match r % 6 {
+                    0 => dev.set_fail_event_record(on),
+                    1 => dev.set_fail_stream_query(on),
+                    2 => dev.set_fail_event_queries(on),
+                    3 => dev.set_fail_use_ordering(on),
+                    4 => dev.set_fail_new_event(on),
+                    _ => dev.set_fail_finish_uses(on),
+                }
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+        });
+        let mut panicked = None;
+        for w in workers {
+            if let Err(e) = w.join() {
+                panicked.get_or_insert(e);
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        if let Some(e) = panicked {
+            std::panic::resume_unwind(e);
+        }
+    });
+    dev.set_fail_event_record(false);
+    dev.set_fail_stream_query(false);
+    dev.set_fail_event_queries(false);
+    dev.set_fail_use_ordering(false);
+    dev.set_fail_new_event(false);
+    dev.set_fail_finish_uses(false);
+    dev.complete_all();
+    p.synchronize();
+    let st = p.stats();
+    assert!(
+        model.lock().unwrap().cross > 0,
+        "no block went to another stream while a use of it was recorded"
+    );
+    assert_eq!(st.stranded_bytes, 0);
+    assert_eq!((st.allocator.bytes_in_use, st.pending_blocks), (0, 0));
+    p.check().unwrap();
+    drop(p);
+    assert_eq!(dev.bytes_live(), 0);
 }
