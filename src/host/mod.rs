@@ -43,8 +43,8 @@
 //! small allocations and frees take no lock (see `tcache.rs` for the protocol):
 //! - at most [`MAX_CACHED_BYTES`] (575 KiB) per thread; a refill or an overflow moves half a stack;
 //! - a block freed on another thread joins that thread's cache; a full cache gives half a stack to
-//!   a per-class transfer cache in the heap, which the next refill of that class takes whole (at most
-//!   two stacks per class, about 1.1 MiB in all);
+//!   a per-class transfer cache in the heap, from which the refills of that class take their batches
+//!   before the slab layer (at most two stacks per class, about 1.1 MiB in all);
 //! - every 256 refills and flushes of a thread's cache, each class that had none of them gives half
 //!   its blocks back to the slab layer, so a class the thread stopped using drains;
 //! - a thread's cache is flushed when the thread exits, on demand by

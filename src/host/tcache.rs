@@ -399,7 +399,8 @@ impl ThreadCache {
 pub(crate) const TRANSFER_SLOTS: usize = 2 * SLOTS;
 
 /// The heap's transfer cache (under the heap lock): per class, a stack of blocks a thread cache gave
-/// back when full, handed whole to the next refill. A producer thread's refills and a consumer's
+/// back when full, from which refills take their batches (half a stack and one block each) before
+/// the slab layer. A producer thread's refills and a consumer's
 /// flushes then meet here at the cost of copying pointers, instead of each block going through the
 /// slab layer's bitmaps. Blocks here are cached (free to callers); they get the slab layer's checks
 /// when they leave for it: an explicit or thread-exit flush, or `release_free_memory`, drains the
