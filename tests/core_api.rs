@@ -300,3 +300,91 @@ fn a_full_chunk_table_still_serves_a_request_a_free_chunk_fits_whole() {
     }
     b.check().unwrap();
 }
+
+/// How [`Broken`] breaks the `MemorySource` contract.
+#[cfg(debug_assertions)]
+#[derive(Clone, Copy)]
+enum Breach {
+    /// Regions a granule off the requested alignment.
+    Unaligned,
+    /// The first region's base again for the second.
+    Overlapping,
+}
+
+/// A source that breaks its contract (the engine checks the regions it gets in debug builds).
+#[cfg(debug_assertions)]
+struct Broken {
+    inner: SimSource,
+    breach: Breach,
+    first: Option<usize>,
+}
+
+// SAFETY: not kept, on purpose: the engine must catch the breach before it uses the region (the
+// tests below run only in debug builds, where it does).
+#[cfg(debug_assertions)]
+unsafe impl bfc_alloc::MemorySource for Broken {
+    fn alloc_region(&mut self, size: usize, align: usize) -> Option<usize> {
+        match (self.breach, self.first) {
+            (Breach::Unaligned, _) => Some(self.inner.alloc_region(size, align)? + 8),
+            (Breach::Overlapping, Some(base)) => Some(base),
+            (Breach::Overlapping, None) => {
+                let base = self.inner.alloc_region(size, align)?;
+                self.first = Some(base);
+                Some(base)
+            }
+        }
+    }
+    unsafe fn free_region(&mut self, base: usize, size: usize) {
+        // SAFETY: forwarded contract (only the first, proper region is ever freed).
+        unsafe { self.inner.free_region(base, size) }
+    }
+    fn alloc_map(
+        &mut self,
+        region_base: usize,
+        entries: usize,
+    ) -> Option<std::ptr::NonNull<Option<bfc_alloc::ChunkHandle>>> {
+        self.inner.alloc_map(region_base, entries)
+    }
+    unsafe fn free_map(
+        &mut self,
+        region_base: usize,
+        map: std::ptr::NonNull<Option<bfc_alloc::ChunkHandle>>,
+        entries: usize,
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.free_map(region_base, map, entries) }
+    }
+}
+
+/// A device engine over a [`Broken`] source, with one block that fills its first region.
+#[cfg(debug_assertions)]
+fn broken_engine(breach: Breach) -> Bfc<Broken, Vec<Chunk>> {
+    let source = Broken {
+        inner: SimSource::new(1 << 40, 1 << 32),
+        breach,
+        first: None,
+    };
+    let config = Config {
+        initial_region_size: 1 << 20,
+        ..Config::device(1 << 32)
+    };
+    Bfc::new(config, source, vec![Chunk::EMPTY; 64]).unwrap()
+}
+
+#[test]
+#[cfg(debug_assertions)]
+#[should_panic(expected = "not aligned to")]
+fn a_source_region_off_its_alignment_is_caught() {
+    let mut bfc = broken_engine(Breach::Unaligned);
+    let _ = bfc.allocate(1, 1);
+}
+
+#[test]
+#[cfg(debug_assertions)]
+#[should_panic(expected = "overlapping a live one")]
+fn a_source_region_overlapping_a_live_one_is_caught() {
+    let mut bfc = broken_engine(Breach::Overlapping);
+    let a = bfc.allocate(1 << 20, 1).unwrap();
+    let _ = bfc.allocate(1 << 20, 1);
+    let _ = a;
+}

@@ -1464,7 +1464,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         let first = size;
         loop {
             if let Some(base) = self.source.alloc_region(size, region_align) {
-                match self.add_region(base, size) {
+                match self.add_region(base, size, region_align) {
                     Ok(h) => {
                         // After backing off, grow from what the source gave, not from what it
                         // refused: else each growth starts ever higher and backs off ever longer.
@@ -1484,7 +1484,28 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         }
     }
 
-    fn add_region(&mut self, base: usize, size: usize) -> Result<ChunkHandle, OomCause> {
+    fn add_region(
+        &mut self,
+        base: usize,
+        size: usize,
+        align: usize,
+    ) -> Result<ChunkHandle, OomCause> {
+        // The source's promises (see `MemorySource`), checked in debug builds: a region that broke
+        // them would hand out addresses twice or outside memory the engine owns.
+        debug_assert!(
+            base % align == 0,
+            "the memory source returned region {base:#x} not aligned to {align:#x}"
+        );
+        debug_assert!(
+            base.checked_add(size).is_some(),
+            "the memory source returned region {base:#x} of {size:#x} bytes, past the address space"
+        );
+        debug_assert!(
+            self.regions[..self.num_regions]
+                .iter()
+                .all(|r| base.saturating_add(size) <= r.base || r.base + r.size <= base),
+            "the memory source returned region {base:#x} of {size:#x} bytes, overlapping a live one"
+        );
         let block = 1usize << self.block_shift;
         let map_len = size.div_ceil(block);
         let Some(map) = self.source.alloc_map(base, map_len) else {

@@ -21,6 +21,9 @@ use super::chunk::ChunkHandle;
 ///   suitably aligned, writable, not aliased by anything else, and valid until `free_map`;
 /// - no method calls back into the engine, or into an allocator the engine serves (a source behind a
 ///   global allocator must not allocate through it).
+///
+/// Debug builds of the engine check each region it gets (alignment, no wrap, no overlap with the
+/// regions it holds) and panic on a breach; release builds trust the source.
 pub unsafe trait MemorySource {
     /// Returns the base of a new region of exactly `size` bytes aligned to `align` (a power of two at
     /// least the engine's granule), or `None` if the source cannot supply it.
