@@ -235,3 +235,73 @@ fn concurrent_forks_from_several_threads() {
     }
     A.check().unwrap();
 }
+
+/// Set in a child run of this binary whose C library refuses the fork handlers.
+const NO_ATFORK_ENV: &str = "BFC_TEST_NO_ATFORK";
+
+/// Without fork handlers (`pthread_atfork` refused, as when the C library's malloc fails at load)
+/// threads get no thread cache, so a fork cannot leave the child a registry of the parent's gone
+/// threads' caches (a new thread in the child, on a dead one's storage, linked its cache twice
+/// and the child aborted: "the thread cache registry is corrupted"). This binary runs again with a
+/// preload library whose `__register_atfork` (what `pthread_atfork` calls) fails, and with it
+/// [`fork_with_thread_caches_keeps_the_registry_sane`].
+#[test]
+fn without_fork_handlers_threads_get_no_cache() {
+    if std::env::var_os(NO_ATFORK_ENV).is_some() {
+        // SAFETY: registers no handler (all three null); only probes that the preload is in place.
+        let rc = unsafe { libc::pthread_atfork(None, None, None) };
+        assert_eq!(
+            rc,
+            libc::ENOMEM,
+            "the preload does not refuse pthread_atfork"
+        );
+        let cached = std::thread::spawn(|| {
+            black_box(small_traffic(1));
+            A.thread_cache_bytes()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(cached, 0, "a thread got a cache without fork handlers");
+        return;
+    }
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let src = dir.join("no_atfork.c");
+    let lib = dir.join("no_atfork.so");
+    std::fs::write(
+        &src,
+        "#include <errno.h>\n\
+         int __register_atfork(void (*a)(void), void (*b)(void), void (*c)(void), void *d) {\n\
+         (void)a; (void)b; (void)c; (void)d; return ENOMEM; }\n",
+    )
+    .unwrap();
+    // The C compiler Rust links with on Linux.
+    let cc = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .output()
+        .expect("no C compiler (cc) to build the preload library");
+    assert!(
+        cc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cc.stderr)
+    );
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "without_fork_handlers_threads_get_no_cache",
+            "fork_with_thread_caches_keeps_the_registry_sane",
+            "--exact",
+            "--test-threads=1",
+        ])
+        .env(NO_ATFORK_ENV, "1")
+        .env("LD_PRELOAD", &lib)
+        .output()
+        .unwrap();
+    let all = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{all}");
+    assert!(all.contains("2 passed"), "the tests did not run: {all}");
+}

@@ -420,6 +420,24 @@ pub(super) extern "C" fn on_fork_child() {
     }
 }
 
+/// Whether `pthread_atfork` took this crate's handlers.
+#[cfg(not(loom))]
+static HANDLERS_INSTALLED: core::sync::atomic::AtomicBool =
+    core::sync::atomic::AtomicBool::new(false);
+
+/// Whether a `fork` runs this crate's handlers (registered when the program was loaded, or at the
+/// first heap's initialisation, before any cache binds). Without them a fork child would keep a
+/// registry of thread caches whose threads are gone, and glibc gives their storage to the child's
+/// new threads: a new thread's cache would be linked twice (`registry_corrupted`). So threads get
+/// no cache then, and take the lock. Always true under loom and Miri, which run no `fork`.
+#[cfg(feature = "std")]
+pub(super) fn fork_handlers_installed() -> bool {
+    #[cfg(any(loom, miri))]
+    return true;
+    #[cfg(not(any(loom, miri)))]
+    return HANDLERS_INSTALLED.load(core::sync::atomic::Ordering::Acquire);
+}
+
 /// Registers the `fork` handlers, once per process, before any lock they take is first taken (the
 /// first instance's initialisation calls it before taking the heap-list lock). `pthread_once`, not
 /// a flag of our own: glibc reruns it in a child forked while another thread was inside it, where a
@@ -440,10 +458,14 @@ pub(super) fn install_fork_handlers() {
                 Some(on_fork_child),
             )
         };
-        // It fails only when libc's own malloc does (ENOMEM). The allocator works the same without
-        // the handlers; only a `fork` while another thread holds one of its locks could then leave
-        // the child unable to allocate (it would hang, as with any allocator that has no handlers).
-        let _ = rc;
+        // It fails only when libc's own malloc does (ENOMEM). Without the handlers a `fork` while
+        // another thread holds one of the allocator's locks leaves the child unable to allocate
+        // (it hangs, as with any allocator that has no handlers), and a child would keep the
+        // registry of the parent's thread caches, whose threads it does not have: threads get no
+        // cache then (see `fork_handlers_installed`).
+        if rc == 0 {
+            HANDLERS_INSTALLED.store(true, core::sync::atomic::Ordering::Release);
+        }
     }
     // Miri runs no `fork` and implements neither `pthread_once` nor `pthread_atfork`.
     #[cfg(miri)]

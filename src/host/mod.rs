@@ -1721,8 +1721,9 @@ impl GlobalBfc {
         }
         tc.owner.set(tcache::BINDING);
         // Registering the exit hook may allocate; those calls see `BINDING` and take the lock
-        // (which is not held here).
-        if !tcache::register_exit_flush() {
+        // (which is not held here). No cache without fork handlers either: a fork child would
+        // keep this one registered for a thread it does not have.
+        if !fork::fork_handlers_installed() || !tcache::register_exit_flush() {
             tc.owner.set(tcache::DEAD);
             return None;
         }
