@@ -1115,6 +1115,59 @@ fn interior_frees_are_swept_once_they_stay_free() {
     a_long_free_block_beside_churn(0, &[(0, all), (24, 0)]);
 }
 
+/// A free chunk whose head is reused between sweeps (a buffer allocated from it, written and freed
+/// back again and again) never stays unchanged from one sweep to the next, so it never ages; past
+/// its first `2 * MAX_RETAIN` (128 MiB) its pages go back at every sweep anyway. (Before, all
+/// 160 MiB stayed resident for good.)
+#[test]
+#[cfg_attr(miri, ignore = "Miri has no mincore")]
+fn a_free_chunk_whose_head_is_reused_keeps_at_most_its_first_128_mib() {
+    let a = big_instance();
+    let mb = 1 << 20;
+    let lc = Layout::from_size_align(2 * mb, 4096).unwrap();
+    let guard = Layout::from_size_align(64 << 10, 4096).unwrap();
+    // A free chunk of 160 MiB, freed in pieces under the huge-free threshold (nothing goes back
+    // at the frees themselves).
+    let lp = Layout::from_size_align(16 * mb, 4096).unwrap();
+    // SAFETY: a non-zero size.
+    let g0 = unsafe { a.alloc(guard) };
+    // SAFETY: a non-zero size.
+    let pieces: std::vec::Vec<*mut u8> = (0..10).map(|_| unsafe { a.alloc(lp) }).collect();
+    // SAFETY: a non-zero size.
+    let g1 = unsafe { a.alloc(guard) };
+    assert!(!g0.is_null() && !g1.is_null() && pieces.iter().all(|p| !p.is_null()));
+    let x = pieces[0];
+    for &p in &pieces {
+        // SAFETY: `p` holds `16 * mb` bytes; it came from `a.alloc(lp)`.
+        unsafe {
+            p.write_bytes(0xa5, 16 * mb);
+            a.dealloc(p, lp);
+        }
+    }
+    for _ in 0..200 {
+        // SAFETY: a non-zero size; `c` holds `2 * mb` bytes and came from `a.alloc(lc)`.
+        unsafe {
+            let c = a.alloc(lc);
+            assert_eq!(c, x, "the churn takes the free chunk's head");
+            c.write_bytes(1, os::page_size());
+            a.dealloc(c, lc);
+        }
+    }
+    // SAFETY: `x + 128 * mb .. x + 160 * mb` lies in the free chunk, in the arena.
+    let tail = unsafe { x.add(2 * MAX_RETAIN) };
+    assert_eq!(
+        resident_pages(tail, 160 * mb - 2 * MAX_RETAIN),
+        0,
+        "the free chunk's pages past its first 128 MiB stayed resident"
+    );
+    // SAFETY: from `a.alloc`.
+    unsafe {
+        a.dealloc(g0, guard);
+        a.dealloc(g1, guard);
+    }
+    assert_eq!(a.check(), Ok(()));
+}
+
 /// With much memory in use the sweep interval is a multiple of it ([`SWEEP_AFTER_IN_USE`], 8), and a
 /// block that stays free still goes back at the second sweep: 16 MiB in use. With about 16.1 MiB
 /// in use at each free, sweeps come every 129 MiB freed: the first marks `x`, the second returns
