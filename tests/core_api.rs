@@ -162,6 +162,28 @@ fn aligned_request_near_top_of_address_space() {
     bfc.check().unwrap();
 }
 
+/// The map methods of a `MemorySource` that wraps a [`SimSource`] in its field `inner`.
+macro_rules! forward_maps {
+    () => {
+        fn alloc_map(
+            &mut self,
+            region_base: usize,
+            entries: usize,
+        ) -> Option<std::ptr::NonNull<Option<bfc_alloc::ChunkHandle>>> {
+            self.inner.alloc_map(region_base, entries)
+        }
+        unsafe fn free_map(
+            &mut self,
+            region_base: usize,
+            map: std::ptr::NonNull<Option<bfc_alloc::ChunkHandle>>,
+            entries: usize,
+        ) {
+            // SAFETY: forwarded contract.
+            unsafe { self.inner.free_map(region_base, map, entries) }
+        }
+    };
+}
+
 /// A source that counts the regions it has out, through a handle the test keeps.
 struct Counting {
     inner: SimSource,
@@ -182,22 +204,7 @@ unsafe impl bfc_alloc::MemorySource for Counting {
         // SAFETY: forwarded contract.
         unsafe { self.inner.free_region(base, size) }
     }
-    fn alloc_map(
-        &mut self,
-        region_base: usize,
-        entries: usize,
-    ) -> Option<std::ptr::NonNull<Option<bfc_alloc::ChunkHandle>>> {
-        self.inner.alloc_map(region_base, entries)
-    }
-    unsafe fn free_map(
-        &mut self,
-        region_base: usize,
-        map: std::ptr::NonNull<Option<bfc_alloc::ChunkHandle>>,
-        entries: usize,
-    ) {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.free_map(region_base, map, entries) }
-    }
+    forward_maps!();
 }
 
 /// A device engine over a [`Counting`] source, and the source's count of regions out.
@@ -338,22 +345,7 @@ unsafe impl bfc_alloc::MemorySource for Broken {
         // SAFETY: forwarded contract (only the first, proper region is ever freed).
         unsafe { self.inner.free_region(base, size) }
     }
-    fn alloc_map(
-        &mut self,
-        region_base: usize,
-        entries: usize,
-    ) -> Option<std::ptr::NonNull<Option<bfc_alloc::ChunkHandle>>> {
-        self.inner.alloc_map(region_base, entries)
-    }
-    unsafe fn free_map(
-        &mut self,
-        region_base: usize,
-        map: std::ptr::NonNull<Option<bfc_alloc::ChunkHandle>>,
-        entries: usize,
-    ) {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.free_map(region_base, map, entries) }
-    }
+    forward_maps!();
 }
 
 /// A device engine over a [`Broken`] source, with one block that fills its first region.

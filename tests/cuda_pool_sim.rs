@@ -18,7 +18,7 @@ use sim_bufs::AnyBuf;
 
 #[path = "common/sim_pool.rs"]
 mod sim_pool;
-use sim_pool::{alloc, pool, Pool, A, B, C, D, GIB, MIB};
+use sim_pool::{alloc, assert_all_back, pool, Pool, A, B, C, D, GIB, MIB};
 #[path = "common/counting.rs"]
 mod counting;
 use counting::*;
@@ -1752,9 +1752,7 @@ fn a_panic_recycling_a_retired_event_in_a_trim_keeps_the_empty_queue_count() {
         r.is_ok(),
         "the pool broke after a back end panicked recycling an event in a trim"
     );
-    p.check().unwrap();
-    let s = p.stats();
-    assert_eq!((s.pending_blocks, s.allocator.bytes_in_use), (0, 0));
+    assert_all_back(&p);
 }
 
 /// A poll with more than 16 stream queues, some empty, drops the empty ones
@@ -1798,9 +1796,7 @@ fn a_panic_dropping_an_empty_queues_stream_handle_keeps_the_empty_queue_count() 
         "the pool broke after a stream handle panicked in a drop of empty queues \
          (an allocation, a free, a synchronisation)"
     );
-    p.check().unwrap();
-    let s = p.stats();
-    assert_eq!((s.pending_blocks, s.allocator.bytes_in_use), (0, 0));
+    assert_all_back(&p);
 }
 
 /// A stream's allocation that takes the last block of one of its batches with an event calls no
@@ -1827,9 +1823,7 @@ fn a_panic_recycling_the_event_of_a_batch_a_reuse_emptied_loses_no_block() {
     drop(y);
     dev.complete_all();
     p.synchronize();
-    p.check().unwrap();
-    let s = p.stats();
-    assert_eq!((s.pending_blocks, s.allocator.bytes_in_use), (0, 0));
+    assert_all_back(&p);
 }
 
 /// A back end that panics waiting for the second of a stream's events in a synchronisation, after

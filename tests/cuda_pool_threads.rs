@@ -13,7 +13,7 @@ mod rng;
 use rng::Rng;
 #[path = "common/sim_pool.rs"]
 mod sim_pool;
-use sim_pool::{alloc, pool, Pool, C, D, GIB, MIB};
+use sim_pool::{alloc, assert_all_back, pool, Pool, C, D, GIB, MIB};
 #[path = "common/counting.rs"]
 mod counting;
 use counting::{counted_alloc, counting_pool, with_switch, Counted, PANIC_IN_RECORD_EVENT};
@@ -205,9 +205,7 @@ fn a_panic_closing_the_streams_a_full_engine_miss_drained_loses_no_block() {
         assert_eq!(p.stats().pending_blocks, 2, "a block was lost");
         dev.complete_all();
         p.trim();
-        p.check().unwrap();
-        let s = p.stats();
-        assert_eq!((s.pending_blocks, s.allocator.bytes_in_use), (0, 0));
+        assert_all_back(&p);
     }
     assert_eq!(dev.bytes_live(), 0, "a region was kept");
 }
@@ -411,14 +409,12 @@ fn one_run(seed: u64) {
     dev.set_fail_finish_uses(false);
     dev.complete_all();
     p.synchronize();
-    let st = p.stats();
     assert!(
         model.lock().unwrap().cross > 0,
         "no block went to another stream while a use of it was recorded"
     );
-    assert_eq!(st.stranded_bytes, 0);
-    assert_eq!((st.allocator.bytes_in_use, st.pending_blocks), (0, 0));
-    p.check().unwrap();
+    assert_eq!(p.stats().stranded_bytes, 0);
+    assert_all_back(&p);
     drop(p);
     assert_eq!(dev.bytes_live(), 0);
 }

@@ -3,7 +3,8 @@
 #![allow(dead_code)]
 
 use bfc_alloc::cuda::{
-    DeviceBuffer, DevicePool, PoolError, PoolOptions, SimBackend, SimDevice, SimStream,
+    DeviceBackend, DeviceBuffer, DevicePool, PoolError, PoolOptions, SimBackend, SimDevice,
+    SimStream,
 };
 
 pub const MIB: usize = 1 << 20;
@@ -22,6 +23,13 @@ pub fn alloc(
 ) -> Result<DeviceBuffer<u8, SimBackend>, PoolError> {
     // SAFETY: simulated memory is never read.
     unsafe { pool.alloc::<u8>(&s, bytes) }
+}
+
+/// Asserts that the pool is consistent and that every block came back: none pending, none in use.
+pub fn assert_all_back<B: DeviceBackend>(p: &DevicePool<B>) {
+    p.check().unwrap();
+    let s = p.stats();
+    assert_eq!((s.pending_blocks, s.allocator.bytes_in_use), (0, 0));
 }
 
 /// Streams that take the pool's lock for every call (the simulator gives streams 0 to 2 no stream
