@@ -24,6 +24,12 @@
 #![no_std]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
+// The docs are written for the default features: builds without `host` or `std` lack some of the
+// items they link to (`GlobalBfc`, its thread-cache methods), so those links stay plain text there.
+#![cfg_attr(
+    not(all(feature = "std", feature = "host")),
+    allow(rustdoc::broken_intra_doc_links)
+)]
 
 #[cfg(feature = "std")]
 extern crate std;
@@ -42,7 +48,7 @@ pub use crate::core::{
 #[cfg(all(feature = "host", feature = "std", unix))]
 pub use host::MAX_CACHED_BYTES;
 #[cfg(all(feature = "host", unix))]
-pub use host::{GlobalBfc, HostConfig};
+pub use host::{AllocFailure, FailureCause, GlobalBfc, HostConfig};
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

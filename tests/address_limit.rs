@@ -10,7 +10,7 @@
 use std::alloc::{GlobalAlloc, Layout};
 use std::process::Command;
 
-use bfc_alloc::{GlobalBfc, HostConfig};
+use bfc_alloc::{AllocFailure, FailureCause, GlobalBfc, HostConfig};
 
 #[path = "common/keyed.rs"]
 mod keyed;
@@ -250,6 +250,14 @@ fn a_data_limit_counts_committed_memory_only() {
             assert!(blocks.len() < 1000, "the data limit did not apply");
         }
         println!("{} blocks of 1 MiB", blocks.len());
+        assert_eq!(
+            a.last_failure(),
+            Some(AllocFailure {
+                size: 1 << 20,
+                align: 8,
+                cause: FailureCause::CommitRefused
+            })
+        );
         assert!(
             (32..=96).contains(&blocks.len()),
             "{} blocks of 1 MiB under a 96 MiB data limit",

@@ -4,7 +4,7 @@ use std::alloc::{GlobalAlloc, Layout};
 use std::ptr::NonNull;
 
 use allocator_api2::alloc::Allocator;
-use bfc_alloc::{GlobalBfc, HostConfig};
+use bfc_alloc::{AllocFailure, FailureCause, GlobalBfc, HostConfig};
 
 fn small(thread_cache: bool) -> GlobalBfc {
     GlobalBfc::with_config(HostConfig {
@@ -399,4 +399,93 @@ fn first_use_fits_a_thread_with_a_32_kib_stack() {
         })
         .unwrap();
     t.join().unwrap();
+}
+
+/// Allocates blocks of layout `l` from `a` until it returns null; returns them.
+fn until_null(a: &GlobalBfc, l: Layout) -> Vec<*mut u8> {
+    let mut got = Vec::new();
+    loop {
+        // SAFETY: a non-zero size; the caller frees each block with the same layout.
+        let p = unsafe { a.alloc(l) };
+        if p.is_null() {
+            return got;
+        }
+        got.push(p);
+        assert!(got.len() < 1 << 20, "{l:?} never failed");
+    }
+}
+
+/// A failed allocation says why: the chunk table full with most of the arena free, the arena used
+/// up, a request larger than the arena, small requests through the thread cache and the lock.
+#[test]
+fn a_failed_allocation_says_why() {
+    // Each 64 KiB-aligned block takes two records (the block and the padding before it).
+    let a = GlobalBfc::with_config(HostConfig {
+        chunk_capacity: 16,
+        ..*small(false).config()
+    });
+    assert_eq!(a.last_failure(), None);
+    let l = Layout::from_size_align(100_000, 8).unwrap();
+    let got = until_null(&a, l);
+    let failure = a.last_failure().unwrap();
+    assert_eq!(
+        failure,
+        AllocFailure {
+            size: 100_000,
+            align: 8,
+            cause: FailureCause::ChunkTableFull
+        }
+    );
+    assert!(a.stats().largest_free_block > 32 << 20, "{}", a.stats());
+    let text = failure.to_string();
+    assert!(
+        text.contains("100000 B") && text.contains("chunk_capacity"),
+        "{text}"
+    );
+    for p in got {
+        gfree(&a, p, l);
+    }
+
+    for thread_cache in [false, true] {
+        let a = small(thread_cache);
+        let big = Layout::from_size_align(4 << 20, 8).unwrap();
+        let got = until_null(&a, big);
+        assert_eq!(
+            a.last_failure(),
+            Some(AllocFailure {
+                size: 4 << 20,
+                align: 8,
+                cause: FailureCause::ArenaFull
+            })
+        );
+        // Small blocks fill what is left (the thread cache's refills, or the lock's path).
+        let tiny = Layout::from_size_align(40, 8).unwrap();
+        let smalls = until_null(&a, tiny);
+        let failure = a.last_failure().unwrap();
+        assert_eq!(failure.cause, FailureCause::ArenaFull);
+        assert!((40..=64).contains(&failure.size), "{failure}");
+        // A request larger than the arena can never fit.
+        let huge = Layout::from_size_align(1 << 30, 8).unwrap();
+        // SAFETY: a non-zero size.
+        assert!(unsafe { a.alloc(huge) }.is_null());
+        assert_eq!(
+            a.last_failure(),
+            Some(AllocFailure {
+                size: 1 << 30,
+                align: 8,
+                cause: FailureCause::NeverFits
+            })
+        );
+        // A success leaves the last failure as it was.
+        for p in smalls {
+            gfree(&a, p, tiny);
+        }
+        for p in got {
+            gfree(&a, p, big);
+        }
+        // SAFETY: a non-zero size; freed at once with the same layout.
+        unsafe { gfree(&a, a.alloc(big), big) };
+        assert_eq!(a.last_failure().unwrap().cause, FailureCause::NeverFits);
+        a.check().unwrap();
+    }
 }

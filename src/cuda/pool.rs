@@ -1797,7 +1797,9 @@ impl<B: DeviceBackend> DevicePool<B> {
     /// If `f` calls into this pool in a way that takes its lock (most methods; an allocation or a
     /// drop of one of its buffers unless a stream cache serves it): that would wait for the lock
     /// `f` runs under. A buffer whose drop panics there loses its block: it stays in use in the
-    /// engine, and its region is never given back.
+    /// engine, and its region is never given back. A second such drop in the same unwind (two
+    /// buffers in a `Vec` dropped there, say) panics during a panic, which aborts the process:
+    /// move buffers out of `f` to drop them.
     pub fn inspect_backend<R>(&self, f: impl FnOnce(&B) -> R) -> R {
         self.shared.with_backend(|b| f(b))
     }

@@ -133,7 +133,8 @@ use core::alloc::{GlobalAlloc, Layout};
 use core::ptr::{self, addr_of_mut, NonNull};
 
 use crate::core::{
-    AllocError, Allocated, Bfc, CheckError, Chunk, Config, FreeError, Freed, Resize, Stats,
+    AllocError, Allocated, Bfc, CheckError, Chunk, Config, FreeError, Freed, OomCause, Resize,
+    Stats,
 };
 use crate::lock::SpinLock;
 use arena::{
@@ -171,7 +172,11 @@ pub struct HostConfig {
     /// tried last is the smallest multiple of 2 MiB at least this large).
     pub min_arena_size: usize,
     /// Capacity of the chunk table (default 2^25 records = 1 GiB of address space, touched as used),
-    /// at most one record per 256 bytes of the arena reserved.
+    /// at most one record per 256 bytes of the arena reserved. Each block the engine holds (a large
+    /// block, or a span of small blocks) and each free chunk between them takes a record, and a
+    /// block aligned past the granule can take one more for the padding before it. When the table
+    /// is full, an allocation that needs a new record fails (returns null) though the arena may
+    /// have room.
     pub chunk_capacity: usize,
     /// Free chunks at least this large give their pages back to the kernel (default 1 MiB).
     pub release_threshold: usize,
@@ -275,6 +280,71 @@ struct Heap {
     /// its pages were returned).
     brk: usize,
     page: usize,
+    /// Why the engine last refused a block (read when an allocation returns null).
+    cause: FailureCause,
+    /// The latest allocation that returned null.
+    last_failure: Option<AllocFailure>,
+}
+
+/// An allocation that returned null: what the heap looked for, and why it failed
+/// ([`GlobalBfc::last_failure`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AllocFailure {
+    /// Bytes asked for (for a small request that refilled the thread's cache, its size class).
+    pub size: usize,
+    /// Alignment asked for (16 for a small request that refilled the thread's cache).
+    pub align: usize,
+    /// Why no block was found.
+    pub cause: FailureCause,
+}
+
+/// Why a host allocation failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureCause {
+    /// No free part of the arena fits the block: the arena is full, or its free memory is in
+    /// pieces too small. The arena does not grow ([`HostConfig::arena_size`]).
+    ArenaFull,
+    /// The chunk table is full ([`HostConfig::chunk_capacity`]), though the arena may have room.
+    ChunkTableFull,
+    /// The kernel refused to commit memory for the block or its records (a commit limit: strict
+    /// overcommit, `RLIMIT_DATA`, `RLIMIT_AS`).
+    CommitRefused,
+    /// The request can never fit: larger than the arena, or aligned beyond what the heap serves.
+    NeverFits,
+}
+
+impl FailureCause {
+    /// What the cause means, and what can be changed.
+    fn explain(self) -> &'static str {
+        match self {
+            FailureCause::ArenaFull => {
+                "no free part of the arena fits it; free blocks or reserve a larger arena_size"
+            }
+            FailureCause::ChunkTableFull => {
+                "the chunk table is full; give it more records (chunk_capacity)"
+            }
+            FailureCause::CommitRefused => {
+                "the kernel refused to commit memory (a commit limit: strict overcommit, \
+                 RLIMIT_DATA or RLIMIT_AS)"
+            }
+            FailureCause::NeverFits => {
+                "larger than the arena, or aligned beyond what the heap serves"
+            }
+        }
+    }
+}
+
+impl core::fmt::Display for AllocFailure {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(
+            f,
+            "allocation of {} B aligned to {} failed ({:?}: {})",
+            self.size,
+            self.align,
+            self.cause,
+            self.cause.explain()
+        )
+    }
 }
 
 /// Keeps its value on cache lines of its own (the pair the CPU prefetches together).
@@ -546,6 +616,14 @@ impl GlobalBfc {
     fn bound_cache<R>(&self, f: impl FnOnce(&ThreadCache) -> R) -> Option<R> {
         let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
         tcache::with(|tc| (tc.owner.get() == id).then(|| f(tc))).flatten()
+    }
+
+    /// The latest allocation of this heap that returned null (from any thread, through any of the
+    /// `GlobalAlloc` and `Allocator` methods), and why; `None` if none has. A heap whose arena
+    /// could not be reserved fails every allocation without noting it here (its
+    /// [`arena_size`](Self::arena_size) is 0). Takes the lock; allocates nothing.
+    pub fn last_failure(&self) -> Option<AllocFailure> {
+        self.with_heap(|h| h.last_failure).flatten()
     }
 
     /// Size of the reserved arena. Initialises the heap if it was not yet used; 0 if the arena
@@ -914,6 +992,8 @@ impl Heap {
                 addr_of_mut!((*heap).arena_end).write(arena + arena_size);
                 addr_of_mut!((*heap).brk).write(arena);
                 addr_of_mut!((*heap).page).write(page);
+                addr_of_mut!((*heap).cause).write(FailureCause::ArenaFull);
+                addr_of_mut!((*heap).last_failure).write(None);
             }
             // Every field is written above: this pattern names them all, so a new field fails to
             // compile here until it is written too.
@@ -940,6 +1020,8 @@ impl Heap {
                     arena_end: _,
                     brk: _,
                     page: _,
+                    cause: _,
+                    last_failure: _,
                 } = h;
             };
             Ok::<(), &'static str>(())
@@ -1019,7 +1101,7 @@ impl Heap {
                 Some(p) => p,
                 None => match self.small_refill(c) {
                     Some(p) => p,
-                    None => return ptr::null_mut(),
+                    None => return self.failed(size, align),
                 },
             };
             self.note_peak(small::class_size(c));
@@ -1031,14 +1113,14 @@ impl Heap {
             align
         };
         let mut found = self.large_block(size, grid, align);
-        // (A request larger than the arena, or aligned beyond what the engine serves, never fits:
-        // no reclaim for it.)
-        if found.is_none()
-            && size <= self.arena_end - self.small.arena()
-            && align <= crate::core::MAX_ALIGN
-            && self.reclaim()
-        {
-            found = self.large_block(size, grid, align);
+        if found.is_none() {
+            // A request larger than the arena, or aligned beyond what the engine serves, never
+            // fits: no reclaim for it.
+            if size > self.arena_end - self.small.arena() || align > crate::core::MAX_ALIGN {
+                self.cause = FailureCause::NeverFits;
+            } else if self.reclaim() {
+                found = self.large_block(size, grid, align);
+            }
         }
         match found {
             Some(b) => {
@@ -1047,8 +1129,34 @@ impl Heap {
                 self.note_peak(b.size);
                 b.ptr as *mut u8
             }
-            None => ptr::null_mut(),
+            None => self.failed(size, align),
         }
+    }
+
+    /// Notes that the request for `size` bytes at `align` failed (for
+    /// [`GlobalBfc::last_failure`]), with the cause the last refusal left; returns null.
+    #[cold]
+    fn failed(&mut self, size: usize, align: usize) -> *mut u8 {
+        self.last_failure = Some(AllocFailure {
+            size,
+            align,
+            cause: self.cause,
+        });
+        ptr::null_mut()
+    }
+
+    /// Notes why the engine refused a block.
+    #[cold]
+    fn refused(&mut self, e: &AllocError) {
+        self.cause = match e {
+            AllocError::OutOfMemory(r) if r.cause == OomCause::ChunkTableFull => {
+                FailureCause::ChunkTableFull
+            }
+            AllocError::BadAlignment { .. } | AllocError::TooLarge { .. } => {
+                FailureCause::NeverFits
+            }
+            _ => FailureCause::ArenaFull,
+        };
     }
 
     /// An engine block for a large request: on the preferred grid `grid`, else (near the arena's
@@ -1069,13 +1177,17 @@ impl Heap {
     #[inline]
     fn engine_block(&mut self, size: usize, grid: usize) -> Option<Allocated> {
         if !self.prepare_records() {
+            self.cause = FailureCause::CommitRefused;
             return None;
         }
         let bound = self.bfc.source().committed_end();
         match self.bfc.allocate_block_below(size, grid, bound) {
             Ok(b) => Some(b),
             Err(AllocError::BeyondBound { end, .. }) => self.engine_block_beyond(size, grid, end),
-            Err(_) => None,
+            Err(e) => {
+                self.refused(&e);
+                None
+            }
         }
     }
 
@@ -1092,15 +1204,20 @@ impl Heap {
     ) -> Option<Allocated> {
         for _ in 0..4 {
             if !(self.prepare_records() && self.bfc.source_mut().commit_arena(end)) {
+                self.cause = FailureCause::CommitRefused;
                 return None;
             }
             let bound = self.bfc.source().committed_end();
             match self.bfc.allocate_block_below(size, grid, bound) {
                 Ok(b) => return Some(b),
                 Err(AllocError::BeyondBound { end: e, .. }) => end = e,
-                Err(_) => return None,
+                Err(e) => {
+                    self.refused(&e);
+                    return None;
+                }
             }
         }
+        self.cause = FailureCause::ArenaFull;
         None
     }
 
@@ -1428,6 +1545,9 @@ impl Heap {
             Err(e) => small_error(p, e, "realloc: "),
         }
         if let Some(q) = self.resize_in_place(ptr, new_size) {
+            if q.is_null() {
+                return self.failed(new_size, align);
+            }
             return q;
         }
         // Allocate the new block under the same lock acquisition.
@@ -1438,8 +1558,12 @@ impl Heap {
         // Before failing, the allocation took back what the heap held only for reuse (see
         // `Heap::reclaim`): an empty span that stood after the block may have gone back and
         // coalesced with the free chunk there.
-        self.resize_in_place(ptr, new_size)
-            .unwrap_or(ptr::null_mut())
+        match self.resize_in_place(ptr, new_size) {
+            Some(q) if q.is_null() => self.failed(new_size, align),
+            Some(q) => q,
+            // (The allocation above noted the failure.)
+            None => ptr::null_mut(),
+        }
     }
 
     /// Resizes the engine block at `ptr` to `new_size` bytes where it lies: `ptr` when done, null
@@ -1449,6 +1573,7 @@ impl Heap {
         let p = ptr as usize;
         // A shrink makes a record.
         if !self.prepare_records() {
+            self.cause = FailureCause::CommitRefused;
             return Some(ptr::null_mut());
         }
         // Growing in place takes (part of) the free chunk after the block: commit exactly as far as
@@ -1921,7 +2046,8 @@ impl Heap {
             }
         }
         if n == 0 {
-            return ptr::null_mut();
+            // (The layout the locked path would ask for this class.)
+            return self.failed(small::class_size(c), 16);
         }
         tc.fill_reversed(c, &got[1..n]);
         self.note_peak(small::class_size(c));
