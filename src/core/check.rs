@@ -7,8 +7,14 @@ use super::{Bfc, CheckError, Chunk, ChunkHandle, ChunkStorage, MemorySource};
 /// sampled at its ends so that a check stays proportional to the number of chunks, not of bytes.
 const MAP_CHECK_BLOCKS: usize = 64;
 
+/// A broken invariant about the chunk or region at `at`.
 fn fail(what: &'static str, at: usize) -> Result<(), CheckError> {
-    Err(CheckError { what, at })
+    Err(CheckError { what, at: Some(at) })
+}
+
+/// A broken invariant about no one chunk (a count, a list).
+fn fail_global(what: &'static str) -> Result<(), CheckError> {
+    Err(CheckError { what, at: None })
 }
 
 impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
@@ -33,7 +39,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         let mut total_chunks = 0usize;
         let mut last_end = 0usize;
         if self.table.high_water() > self.table.capacity() {
-            return fail("chunk table high-water mark beyond its capacity", 0);
+            return fail_global("chunk table high-water mark beyond its capacity");
         }
         for (i, r) in self.regions[..self.num_regions].iter().enumerate() {
             if i > 0 && r.base < last_end {
@@ -148,7 +154,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             }
         }
         if binned != free_chunks {
-            return fail("free chunks missing from the bins", 0);
+            return fail_global("free chunks missing from the bins");
         }
         // Quick lists: right sizes and lengths, cached flag set, totals matching the region walk.
         let (mut listed, mut listed_bytes) = (0usize, 0usize);
@@ -165,23 +171,20 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
                 cur = c.free_next;
             }
             if len != self.quick_len[g] as usize || (g > self.quick_max_g && len > 0) {
-                return fail("quick list length disagrees", 0);
+                return fail_global("quick list length disagrees");
             }
             listed += len;
         }
         if (listed, listed_bytes) != (cached_chunks, cached_bytes)
             || (cached_chunks, cached_bytes) != (self.cached_chunks, self.cached_bytes)
         {
-            return fail(
-                "cached chunks disagree with the quick lists or the counters",
-                0,
-            );
+            return fail_global("cached chunks disagree with the quick lists or the counters");
         }
         if !self.bins.bitmaps_consistent() {
-            return fail("bin bitmaps disagree with the bins", 0);
+            return fail_global("bin bitmaps disagree with the bins");
         }
         if total_chunks != self.table.live() {
-            return fail("live chunk records not all reachable from regions", 0);
+            return fail_global("live chunk records not all reachable from regions");
         }
         // Recycled records: in range and empty (the walk of the bins relies on it: a record with a
         // size is a live one), and as many as the table says.
@@ -194,19 +197,19 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             recycled += 1;
         }
         if recycled + self.table.live() != self.table.high_water() {
-            return fail("recycled and live chunk records do not add up", 0);
+            return fail_global("recycled and live chunk records do not add up");
         }
         if in_use_bytes != self.stats.bytes_in_use || in_use_chunks != self.in_use_chunks {
-            return fail("bytes_in_use or chunk count disagrees with a recount", 0);
+            return fail_global("bytes_in_use or chunk count disagrees with a recount");
         }
         if reserved != self.stats.bytes_reserved {
-            return fail("bytes_reserved disagrees with the regions", 0);
+            return fail_global("bytes_reserved disagrees with the regions");
         }
         if self.stats.bytes_in_use > self.stats.peak_bytes_in_use
             || self.stats.bytes_reserved > self.stats.peak_bytes_reserved
             || self.stats.bytes_reserved > self.config.memory_limit
         {
-            return fail("a peak or the limit is below the current value", 0);
+            return fail_global("a peak or the limit is below the current value");
         }
         Ok(())
     }
@@ -216,7 +219,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     fn record(&self, h: ChunkHandle) -> Result<&Chunk, CheckError> {
         self.table.get_checked(h).ok_or(CheckError {
             what: "chunk handle out of range",
-            at: 0,
+            at: None,
         })
     }
 

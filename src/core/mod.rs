@@ -314,6 +314,64 @@ pub enum Resize {
 /// use stays with the source: the engine cannot know when that block's last use ends.
 /// With feature `std`, an engine dropped while a panic unwinds gives nothing back (it may be the
 /// engine that panicked, and a source that panicked may panic again, which would abort).
+///
+/// Addresses are numbers to the engine: a source may hand out a region at address 0 (offsets into
+/// memory the CPU never touches, a device whose memory starts there), and 0 is then a block
+/// address like any other. A caller that needs non-null addresses must not get a region at 0.
+///
+/// # Example
+///
+/// The engine over offsets `0..1 MiB` of some memory, with no allocation anywhere (the chunk
+/// table and the pointer map are the caller's arrays):
+///
+/// ```
+/// use core::ptr::NonNull;
+/// use bfc_alloc::core::{Bfc, Chunk, ChunkHandle, Config, MemorySource};
+///
+/// /// One region at offset 0, of up to 1 MiB; its pointer map in the caller's array.
+/// struct Offsets<'a> {
+///     taken: bool,
+///     map: &'a mut [Option<ChunkHandle>],
+/// }
+///
+/// // SAFETY: one region at a time, at 0 (aligned to anything), never past 1 MiB, owned by the
+/// // engine until freed; the map is the caller's array, zero-filled (all `None`) on each use,
+/// // used by nothing else.
+/// unsafe impl MemorySource for Offsets<'_> {
+///     fn alloc_region(&mut self, size: usize, _align: usize) -> Option<usize> {
+///         if self.taken || size > 1 << 20 {
+///             return None;
+///         }
+///         self.taken = true;
+///         Some(0)
+///     }
+///     unsafe fn free_region(&mut self, _base: usize, _size: usize) {
+///         self.taken = false;
+///     }
+///     fn alloc_map(&mut self, _base: usize, entries: usize) -> Option<NonNull<Option<ChunkHandle>>> {
+///         let map = self.map.get_mut(..entries)?;
+///         map.fill(None);
+///         NonNull::new(map.as_mut_ptr())
+///     }
+///     unsafe fn free_map(&mut self, _base: usize, _map: NonNull<Option<ChunkHandle>>, _n: usize) {}
+/// }
+///
+/// // Device settings: 256-byte granule; one map entry per 8 KiB (32 granules).
+/// let mut map = [None; 128];
+/// let mut table = [Chunk::EMPTY; 64];
+/// let source = Offsets { taken: false, map: &mut map };
+/// let mut bfc = Bfc::new(Config::device(1 << 20), source, &mut table[..]).unwrap();
+/// let a = bfc.allocate(1000, 256).unwrap();
+/// let b = bfc.allocate(5000, 256).unwrap();
+/// assert_eq!((a, bfc.usable_size(a).unwrap()), (0, 1024));
+/// assert!(b >= 1024 && b % 256 == 0);
+/// assert!(bfc.allocate(2 << 20, 256).is_err()); // past the memory limit
+/// bfc.deallocate(a).unwrap();
+/// bfc.deallocate(b).unwrap();
+/// assert!(bfc.deallocate(b).is_err()); // a double free is reported, and changes nothing
+/// assert_eq!(bfc.stats().bytes_in_use, 0);
+/// assert_eq!(bfc.check(), Ok(()));
+/// ```
 pub struct Bfc<S: MemorySource, T: ChunkStorage> {
     // Immutable after construction.
     config: Config,
@@ -658,7 +716,9 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
 
     /// Grows or shrinks the block at `ptr` to hold `new_size` bytes without moving it, if possible.
     ///
-    /// Shrinking always succeeds (the tail is split off and freed when it is at least a granule).
+    /// Shrinking always succeeds (the tail is split off and freed when it is at least a granule;
+    /// with the chunk table full, the block keeps its size: `Done` with the old size and no
+    /// `freed`).
     /// Growing succeeds when the next chunk is free (a chunk held in a quick list counts, and is
     /// taken off it) and large enough. [`Resize::Moved`] means the caller must allocate, copy and
     /// free.

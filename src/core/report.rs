@@ -149,7 +149,8 @@ impl OomCause {
                 "growth is off and no free chunk fits; free blocks or raise the limit"
             }
             OomCause::ChunkTableFull => {
-                "the chunk table is full; give it more records (chunk_capacity)"
+                "the chunk table is full; give it more records (the table given to Bfc::new; \
+                 chunk_capacity in the host and device options)"
             }
             OomCause::RegionTableFull => {
                 "all 64 regions are in use; use a larger initial_region_size"
@@ -310,16 +311,15 @@ impl fmt::Display for FreeError {
 pub struct CheckError {
     /// Which invariant.
     pub what: &'static str,
-    /// Address of the chunk (or region) concerned, 0 when not about one.
-    pub at: usize,
+    /// Address of the chunk (or region) concerned; `None` when not about one.
+    pub at: Option<usize>,
 }
 
 impl fmt::Display for CheckError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.at == 0 {
-            write!(f, "heap invariant broken: {}", self.what)
-        } else {
-            write!(f, "heap invariant broken at {:#x}: {}", self.at, self.what)
+        match self.at {
+            None => write!(f, "heap invariant broken: {}", self.what),
+            Some(at) => write!(f, "heap invariant broken at {at:#x}: {}", self.what),
         }
     }
 }

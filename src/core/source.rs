@@ -26,7 +26,8 @@ use super::chunk::ChunkHandle;
 /// regions it holds) and panic on a breach; release builds trust the source.
 pub unsafe trait MemorySource {
     /// Returns the base of a new region of exactly `size` bytes aligned to `align` (a power of two at
-    /// least the engine's granule), or `None` if the source cannot supply it.
+    /// least the engine's granule), or `None` if the source cannot supply it. A base of 0 is allowed:
+    /// the engine then hands out 0 as a block address (see [`Bfc`](super::Bfc)).
     fn alloc_region(&mut self, size: usize, align: usize) -> Option<usize>;
 
     /// Gives a region back.

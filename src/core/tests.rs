@@ -1024,13 +1024,22 @@ fn reports_format_any_values_without_panicking() {
         "{text}"
     );
     // A check error about no chunk names no address.
-    let e = CheckError { what: "x", at: 0 };
+    let e = CheckError {
+        what: "x",
+        at: None,
+    };
     assert_eq!(e.to_string(), "heap invariant broken: x");
     let e = CheckError {
         what: "x",
-        at: 0x40,
+        at: Some(0x40),
     };
     assert_eq!(e.to_string(), "heap invariant broken at 0x40: x");
+    // A chunk at address 0 (a region there) is named.
+    let e = CheckError {
+        what: "x",
+        at: Some(0),
+    };
+    assert_eq!(e.to_string(), "heap invariant broken at 0x0: x");
 }
 
 #[test]

@@ -1324,16 +1324,16 @@ impl Heap {
         {
             return Err(CheckError {
                 what: "a block in use ends past the heap's recorded end of touched memory",
-                at: c.ptr(),
+                at: Some(c.ptr()),
             });
         }
         self.bfc
             .source()
             .check_commit(self.brk, self.bfc.records_touched())
-            .map_err(|what| CheckError { what, at: 0 })?;
+            .map_err(|what| CheckError { what, at: None })?;
         self.small
             .check(self.brk)
-            .map_err(|what| CheckError { what, at: 0 })?;
+            .map_err(|what| CheckError { what, at: None })?;
         #[cfg(feature = "std")]
         self.check_own_cache()?;
         #[cfg(feature = "std")]
@@ -1345,7 +1345,7 @@ impl Heap {
             if !ok {
                 return Err(CheckError {
                     what: "transfer cache holds a block that is not a live object of its class",
-                    at: 0,
+                    at: None,
                 });
             }
         }
@@ -2177,13 +2177,13 @@ impl Heap {
                 if !ok {
                     return Err(CheckError {
                         what: "thread cache holds a block that is not a live object of its class",
-                        at: 0,
+                        at: None,
                     });
                 }
                 if n > tcache::bin_capacity(c) || tc.has_duplicate(c) {
                     return Err(CheckError {
                         what: "thread cache stack overfull or holding a block twice",
-                        at: 0,
+                        at: None,
                     });
                 }
             }
