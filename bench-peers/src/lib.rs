@@ -192,13 +192,17 @@ fn threaded_churn(threads: usize, steps: usize, align: usize) -> f64 {
     (last - first).as_nanos() as f64 / steps as f64
 }
 
-/// One producer allocates, one consumer frees: ns per object (wall time / objects).
+/// One producer allocates, one consumer frees: ns per object (wall time / objects), from when
+/// both threads have started (thread creation is not timed) to when both have exited.
 fn cross_thread_free(objects: usize) -> f64 {
     const BATCH: usize = 256;
     let batches = objects / BATCH;
     let (tx, rx) = mpsc::sync_channel::<Vec<(usize, usize)>>(16);
-    let t = Instant::now();
+    let start = Arc::new(Barrier::new(3));
+    let producer_start = start.clone();
+    let consumer_start = start.clone();
     let producer = std::thread::spawn(move || {
+        producer_start.wait();
         let mut rng = Rng(11);
         for _ in 0..batches {
             let batch: Vec<(usize, usize)> = (0..BATCH)
@@ -211,12 +215,15 @@ fn cross_thread_free(objects: usize) -> f64 {
         }
     });
     let consumer = std::thread::spawn(move || {
+        consumer_start.wait();
         for batch in rx {
             for (p, s) in batch {
                 put(p as *mut u8, s);
             }
         }
     });
+    start.wait();
+    let t = Instant::now();
     producer.join().unwrap();
     consumer.join().unwrap();
     // The objects sent: whole batches only.
