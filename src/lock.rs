@@ -361,26 +361,46 @@ mod tests {
         panic!("lock re-entered by its holder")
     }
 
+    /// Runs `f` on a thread of its own and re-raises its panic, if any; panics if `f` has not
+    /// returned in time. (A holder whose re-entry goes undetected spins for good: the test then
+    /// fails instead of hanging the suite.)
+    fn unless_stuck(f: fn()) {
+        let limit = std::time::Duration::from_secs(if cfg!(miri) { 1200 } else { 60 });
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(std::panic::catch_unwind(f));
+        });
+        match rx.recv_timeout(limit) {
+            Ok(Ok(())) => {}
+            Ok(Err(payload)) => std::panic::resume_unwind(payload),
+            Err(_) => panic!("still waiting after {limit:?}: a re-entered lock was not detected"),
+        }
+    }
+
     #[test]
     #[should_panic(expected = "lock re-entered by its holder")]
     fn waiting_for_a_lock_you_hold_calls_the_handler() {
-        static L: SpinLock<u32> = SpinLock::with_reentry_handler(0, reentered);
-        let _held = L.lock();
-        let _again = L.lock();
+        unless_stuck(|| {
+            static L: SpinLock<u32> = SpinLock::with_reentry_handler(0, reentered);
+            let _held = L.lock();
+            let _again = L.lock();
+        });
     }
 
     #[test]
     #[should_panic(expected = "lock re-entered by its holder")]
     fn waiting_for_a_lock_taken_with_try_lock_calls_the_handler() {
-        static L: SpinLock<u32> = SpinLock::with_reentry_handler(0, reentered);
-        let _held = L.try_lock().expect("a free lock");
-        assert_eq!(
-            L.owner.load(Ordering::Relaxed),
-            thread_id(),
-            "owner not recorded"
-        );
-        assert!(L.try_lock().is_none());
-        let _again = L.lock();
+        unless_stuck(|| {
+            static L: SpinLock<u32> = SpinLock::with_reentry_handler(0, reentered);
+            let _held = L.try_lock().expect("a free lock");
+            assert_eq!(
+                L.owner.load(Ordering::Relaxed),
+                thread_id(),
+                "owner not recorded"
+            );
+            assert!(L.try_lock().is_none());
+            let _again = L.lock();
+        });
     }
 
     #[test]

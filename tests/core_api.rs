@@ -308,6 +308,42 @@ fn a_full_chunk_table_still_serves_a_request_a_free_chunk_fits_whole() {
     b.check().unwrap();
 }
 
+/// With the chunk table full and a bound, the free chunk taken whole is one that ends below the
+/// bound: a whole fit past it, nearer the head of the list, is passed over.
+#[test]
+fn a_full_chunk_table_serves_a_bounded_request_from_a_whole_fit_below_the_bound() {
+    let g = 16; // the host granule
+    let req = 128 * g;
+    let mut b = Bfc::new(
+        Config::host(1 << 20),
+        SimSource::new(1 << 40, 1 << 30),
+        vec![Chunk::EMPTY; 21],
+    )
+    .unwrap();
+    // Exact fits first and last, eight blocks a granule larger (split by the host configuration)
+    // between, so that the first fit the engine looks at (`fit_scan`, 8) needs a record; each
+    // followed by a separator that is never freed; and the rest of the region: 21 records.
+    let mut xs = Vec::new();
+    for i in 0..10 {
+        let size = if i == 0 || i == 9 { req } else { req + g };
+        xs.push(b.allocate(size, 1).unwrap());
+        b.allocate(1, 1).unwrap();
+    }
+    // List order from the head: the larger ones, then the high exact fit, then the low one.
+    b.deallocate(xs[0]).unwrap();
+    b.deallocate(xs[9]).unwrap();
+    for &x in &xs[1..9] {
+        b.deallocate(x).unwrap();
+    }
+    assert_eq!(b.records_touched(), 21);
+    let bound = xs[9];
+    match b.allocate_block_below(req, 1, bound) {
+        Ok(a) => assert_eq!((a.ptr, a.size), (xs[0], req)),
+        r => panic!("{r:?}"),
+    }
+    b.check().unwrap();
+}
+
 /// How [`Broken`] breaks the `MemorySource` contract.
 #[cfg(debug_assertions)]
 #[derive(Clone, Copy)]
@@ -379,4 +415,37 @@ fn a_source_region_overlapping_a_live_one_is_caught() {
     let a = bfc.allocate(1 << 20, 1).unwrap();
     let _ = bfc.allocate(1 << 20, 1);
     let _ = a;
+}
+
+/// `for_each_free_chunk` and `sweep_dirty` pass over a free chunk below their minimum size that
+/// shares the minimum's size class (99,000 and 100,000 bytes, one class with a 16-byte granule).
+#[test]
+fn walks_and_sweeps_skip_free_chunks_below_the_minimum_in_its_class() {
+    let mut b = Bfc::new(
+        Config::host(1 << 30),
+        SimSource::new(1 << 40, 1 << 30),
+        vec![Chunk::EMPTY; 64],
+    )
+    .unwrap();
+    let small = b.allocate(99_000, 1).unwrap();
+    b.allocate(1, 1).unwrap();
+    let big = b.allocate(100_000, 1).unwrap();
+    b.allocate(1, 1).unwrap();
+    b.deallocate(small).unwrap();
+    b.deallocate(big).unwrap();
+    let check = |seen: &[(usize, usize)], what: &str| {
+        assert!(seen.iter().all(|&(_, s)| s >= 100_000), "{what}: {seen:?}");
+        assert!(seen.contains(&(big, 100_000)), "{what}: {seen:?}");
+    };
+    let mut seen = Vec::new();
+    b.for_each_free_chunk(100_000, |p, s| seen.push((p, s)));
+    check(&seen, "for_each_free_chunk");
+    let mut swept = Vec::new();
+    let n = b.sweep_dirty(100_000, false, |p, s| {
+        swept.push((p, s));
+        true
+    });
+    assert_eq!(n, swept.len());
+    check(&swept, "sweep_dirty");
+    b.check().unwrap();
 }

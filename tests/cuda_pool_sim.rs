@@ -1287,21 +1287,35 @@ fn same_stream_reuse_honours_the_alignment() {
 #[test]
 fn same_stream_reuse_takes_the_smallest_block_that_fits() {
     on_both_paths(|sa, _| {
-        let dev = SimDevice::new(GIB);
-        let p = pool(
-            &dev,
-            PoolOptions {
-                initial_region_size: 16 * MIB,
-                ..PoolOptions::with_limit(64 * MIB)
-            },
-        );
-        let big = alloc(&p, sa, 3 * MIB / 2).unwrap();
-        let small = alloc(&p, sa, MIB).unwrap();
-        assert_eq!((big.block_size(), small.block_size()), (3 * MIB / 2, MIB));
-        let small_at = small.device_address();
-        drop(big);
-        drop(small);
-        assert_eq!(alloc(&p, sa, MIB).unwrap().device_address(), small_at);
+        // Freed in either order: the search must not stop at the first block that fits (nor take
+        // the exact fit only because it came last).
+        for small_first in [false, true] {
+            let dev = SimDevice::new(GIB);
+            let p = pool(
+                &dev,
+                PoolOptions {
+                    initial_region_size: 16 * MIB,
+                    ..PoolOptions::with_limit(64 * MIB)
+                },
+            );
+            let big = alloc(&p, sa, 3 * MIB / 2).unwrap();
+            let small = alloc(&p, sa, MIB).unwrap();
+            assert_eq!((big.block_size(), small.block_size()), (3 * MIB / 2, MIB));
+            let small_at = small.device_address();
+            if small_first {
+                drop(small);
+                drop(big);
+            } else {
+                drop(big);
+                drop(small);
+            }
+            let again = alloc(&p, sa, MIB).unwrap();
+            assert_eq!(
+                (again.device_address(), again.block_size()),
+                (small_at, MIB),
+                "small block freed first: {small_first}"
+            );
+        }
     });
 }
 

@@ -489,3 +489,28 @@ fn a_failed_allocation_says_why() {
         a.check().unwrap();
     }
 }
+
+/// `release_free_memory` returns the bytes it gave back: a free 512 KiB block between two live
+/// ones (kept touched until a sweep or a release) counts in full, and a second call finds nothing.
+#[test]
+fn release_free_memory_counts_what_it_gives_back() {
+    for thread_cache in [false, true] {
+        let a = small(thread_cache);
+        let big = Layout::from_size_align(512 << 10, 8).unwrap();
+        let guard = Layout::from_size_align(64 << 10, 8).unwrap();
+        // SAFETY: non-zero sizes; each block is written within its size and freed once with it.
+        unsafe {
+            let p = a.alloc(big);
+            let g = a.alloc(guard);
+            assert!(!p.is_null() && !g.is_null());
+            p.write_bytes(1, 512 << 10);
+            g.write_bytes(1, 64 << 10);
+            gfree(&a, p, big);
+            let covered = a.release_free_memory();
+            assert!(covered >= 512 << 10, "{covered} bytes given back");
+            assert_eq!(a.release_free_memory(), 0);
+            gfree(&a, g, guard);
+        }
+        a.check().unwrap();
+    }
+}

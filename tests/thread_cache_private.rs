@@ -521,6 +521,46 @@ fn blocks_in_another_threads_cache_wait_for_that_thread() {
     });
 }
 
+/// A thread's refill takes the blocks another thread's full cache gave to the transfer cache
+/// before it cuts new ones from the slab layer: the refill moves cached blocks (the bytes cached
+/// fall by the one handed out) instead of adding a batch of fresh ones.
+#[test]
+fn a_refill_takes_its_batch_from_the_transfer_cache() {
+    let a = four_mib_arena(true);
+    let l = Layout::from_size_align(64, 8).unwrap();
+    // SAFETY: a valid layout; each block is freed once with it.
+    let freed: Vec<usize> = (0..300).map(|_| unsafe { a.alloc(l) } as usize).collect();
+    assert!(freed.iter().all(|&p| p != 0));
+    for &p in &freed {
+        // SAFETY: allocated above with `l`, freed once.
+        unsafe { a.dealloc(p as *mut u8, l) };
+    }
+    let mine = a.thread_cache_bytes();
+    let before = a.stats().bytes_cached;
+    assert!(
+        before > mine,
+        "no block reached the transfer cache: {before} cached, {mine} in this thread's"
+    );
+    let (p, during) = std::thread::scope(|s| {
+        s.spawn(|| {
+            // SAFETY: a valid layout; freed once with it, below.
+            let p = unsafe { a.alloc(l) };
+            let during = a.stats().bytes_cached;
+            // SAFETY: allocated above with `l`.
+            unsafe { a.dealloc(p, l) };
+            (p as usize, during)
+        })
+        .join()
+        .unwrap()
+    });
+    assert!(
+        freed.contains(&p),
+        "{p:#x} is not a block the transfer cache held"
+    );
+    assert_eq!(during, before - 64, "the refill did not move cached blocks");
+    a.check().unwrap();
+}
+
 /// A thread whose cache serves another instance allocates under the lock. When the arena is full
 /// and its class has no room in the slab layer, the blocks other threads gave to the transfer cache
 /// are what is left: the allocation gets one of them.

@@ -1826,6 +1826,50 @@ impl<B: DeviceBackend> DevicePool<B> {
 mod tests {
     use super::thread_cache;
 
+    /// A block the engine refuses when its batch goes back (a pool bug: a block returned twice, or
+    /// one it never handed out) is not lost in silence: it becomes a deferred error, and the pool
+    /// stays consistent. Both a block never handed out and one freed twice.
+    #[test]
+    fn a_block_the_engine_refuses_when_its_batch_goes_back_is_a_deferred_error() {
+        use super::{Batch, DevicePool, Order, PoolError, PoolOptions};
+        use crate::core::FreeError;
+        use crate::cuda::{SimDevice, SimStream};
+        let dev = SimDevice::new(1 << 30);
+        let pool =
+            DevicePool::with_backend(dev.backend(), PoolOptions::with_limit(64 << 20)).unwrap();
+        // SAFETY: simulated memory is never read.
+        let (buf, keep) = unsafe {
+            (
+                pool.alloc::<u8>(&SimStream(1), 4096).unwrap(),
+                pool.alloc::<u8>(&SimStream(1), 4096).unwrap(),
+            )
+        };
+        let at = buf.device_address() as usize;
+        drop(buf);
+        // The block back in the engine (the stream is idle); `keep` keeps the region.
+        pool.trim();
+        let mut st = pool.shared.lock();
+        let never = at + (32 << 20);
+        st.release_batch(Batch {
+            order: Order::Open,
+            blocks: std::vec![(never, 256), (at, 4096)],
+        });
+        let errors = core::mem::take(&mut st.errors);
+        drop(st);
+        assert!(
+            matches!(
+                errors.as_slice(),
+                [
+                    PoolError::Free(FreeError::NotOwned { ptr: p }),
+                    PoolError::Free(FreeError::DoubleFree { ptr: q }),
+                ] if *p == never && *q == at
+            ),
+            "{errors:?}"
+        );
+        pool.check().unwrap();
+        drop(keep);
+    }
+
     /// Serialises the tests that count the stream caches live threads hold (no other test of
     /// this binary takes one).
     fn serial() -> std::sync::MutexGuard<'static, ()> {
