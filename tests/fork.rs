@@ -96,6 +96,80 @@ fn fork_with_thread_caches_keeps_the_registry_sane() {
     A.check().unwrap();
 }
 
+/// The forking thread's cache survives a fork in the child's registry: `after_fork` re-registers
+/// it (the other threads' caches are dropped). Its cached blocks still count as cached, not in use,
+/// in the child's `stats()`, and flushing it there moves them back to the heap without changing
+/// what is in use, leaving a heap that `check()` accepts.
+#[test]
+fn fork_keeps_the_forking_threads_cache_registered() {
+    use std::io::{Read, Write};
+    // Small blocks freed into this thread's cache.
+    let blocks: Vec<Box<[u8; 48]>> = (0..20).map(|i| Box::new([i as u8; 48])).collect();
+    black_box(&blocks);
+    drop(blocks);
+    assert!(
+        A.thread_cache_bytes() > 0,
+        "the freed blocks are not cached"
+    );
+
+    // The child reports what it found through a socket (its panic message would go to the test
+    // harness's capture of the child's own copy of this thread, and be lost).
+    let (mut report_rx, mut report_tx) = std::os::unix::net::UnixStream::pair().unwrap();
+    let (ok, status) = in_fork_child(20, || {
+        let r = (|| -> Result<(), String> {
+            let x = A.thread_cache_bytes();
+            if x == 0 {
+                return Err("the forking thread's cache is empty in the child".into());
+            }
+            let before = A.stats();
+            if before.bytes_cached < x {
+                return Err(format!(
+                    "the forking thread's {x} cached bytes are missing from the child's stats \
+                     (its cache left the registry?): {before:?}"
+                ));
+            }
+            A.check()
+                .map_err(|e| format!("check before the flush: {e:?}"))?;
+            A.flush_thread_cache();
+            let after = A.stats();
+            if A.thread_cache_bytes() != 0 {
+                return Err("the flush left blocks in the forking thread's cache".into());
+            }
+            if before.bytes_cached.saturating_sub(after.bytes_cached) < x {
+                return Err(format!(
+                    "flushing {x} cached bytes did not lower the child's bytes_cached by as much: \
+                     {before:?} -> {after:?}"
+                ));
+            }
+            // Exact, where the counts above are not (the transfer cache's blocks count as cached
+            // too): the flush only moves cached blocks, so what is in use stays put.
+            if after.bytes_in_use != before.bytes_in_use {
+                return Err(format!(
+                    "flushing the forking thread's cache changed bytes_in_use: {before:?} -> \
+                     {after:?}"
+                ));
+            }
+            A.check()
+                .map_err(|e| format!("check after the flush: {e:?}"))
+        })();
+        if let Err(e) = r {
+            let _ = report_tx.write_all(e.as_bytes());
+            panic!("{e}");
+        }
+    });
+    drop(report_tx);
+    // Children of the other tests' forks may hold the writing end too: read only what is there.
+    report_rx.set_nonblocking(true).unwrap();
+    let mut report = Vec::new();
+    let _ = report_rx.read_to_end(&mut report);
+    assert!(
+        ok,
+        "child failed or hung (status {status:#x}): {}",
+        String::from_utf8_lossy(&report)
+    );
+    A.check().unwrap();
+}
+
 /// Engine-path and slab-path traffic that keeps the heap lock busy: large blocks (always locked),
 /// small ones, and explicit cache flushes (which take the lock for a whole batch).
 fn locked_traffic(seed: usize) -> usize {
