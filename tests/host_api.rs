@@ -461,9 +461,26 @@ fn a_failed_allocation_says_why() {
         // Small blocks fill what is left (the thread cache's refills, or the lock's path).
         let tiny = Layout::from_size_align(40, 8).unwrap();
         let smalls = until_null(&a, tiny);
-        let failure = a.last_failure().unwrap();
-        assert_eq!(failure.cause, FailureCause::ArenaFull);
-        assert!((40..=64).contains(&failure.size), "{failure}");
+        assert_eq!(
+            a.last_failure(),
+            Some(AllocFailure {
+                size: 40,
+                align: 8,
+                cause: FailureCause::ArenaFull
+            })
+        );
+        // The caller's layout, not its size class's.
+        let aligned = Layout::from_size_align(100, 64).unwrap();
+        // SAFETY: a non-zero size.
+        assert!(unsafe { a.alloc(aligned) }.is_null());
+        assert_eq!(
+            a.last_failure(),
+            Some(AllocFailure {
+                size: 100,
+                align: 64,
+                cause: FailureCause::ArenaFull
+            })
+        );
         // A request larger than the arena can never fit.
         let huge = Layout::from_size_align(1 << 30, 8).unwrap();
         // SAFETY: a non-zero size.
@@ -513,4 +530,73 @@ fn release_free_memory_counts_what_it_gives_back() {
         }
         a.check().unwrap();
     }
+}
+
+/// An empty heap that refuses an alignment says that the request can never fit (not that the arena
+/// is full): 2^39 bytes is far beyond where a 64 MiB arena can hold an aligned address, but for an
+/// arena placed on such a boundary.
+#[test]
+fn an_alignment_the_arena_cannot_hold_never_fits() {
+    for thread_cache in [false, true] {
+        let a = small(thread_cache);
+        for l in [
+            Layout::from_size_align(16, 1 << 39).unwrap(),
+            Layout::from_size_align(1 << 20, 1 << 39).unwrap(),
+        ] {
+            // SAFETY: a non-zero size; freed with its layout if it was served.
+            let p = unsafe { a.alloc(l) };
+            if p.is_null() {
+                assert_eq!(
+                    a.last_failure(),
+                    Some(AllocFailure {
+                        size: l.size(),
+                        align: l.align(),
+                        cause: FailureCause::NeverFits
+                    })
+                );
+            } else {
+                assert_eq!(p as usize % l.align(), 0);
+                gfree(&a, p, l);
+            }
+        }
+        assert_eq!(a.stats().bytes_in_use, 0);
+    }
+}
+
+/// A `realloc` that succeeds (after the allocation of a new block failed, by growing in place into
+/// room that failure's reclaim made) leaves the last failure as it was: an empty span after the
+/// block goes back to the engine only when memory runs out.
+#[test]
+fn a_realloc_that_succeeds_notes_no_failure() {
+    let a = small(false);
+    let mib = Layout::from_size_align(1 << 20, 8).unwrap();
+    let tiny = Layout::from_size_align(40, 8).unwrap();
+    // SAFETY: non-zero sizes; each block is freed once with its current layout.
+    unsafe {
+        let p = a.alloc(mib);
+        // A span of small blocks right after `p`.
+        let s = a.alloc(tiny);
+        assert!(!p.is_null() && !s.is_null());
+        assert!(s as usize >= p as usize + (1 << 20));
+        // The rest of the arena, in blocks of decreasing size.
+        let mut fill = Vec::new();
+        for size in [1 << 20, 64 << 10, 4112] {
+            let l = Layout::from_size_align(size, 8).unwrap();
+            fill.extend(until_null(&a, l).into_iter().map(|q| (q, l)));
+        }
+        let before = a.last_failure();
+        assert_eq!(before.map(|f| f.cause), Some(FailureCause::ArenaFull));
+        // The span is empty now, but kept for reuse until memory runs out.
+        gfree(&a, s, tiny);
+        let grown = (1 << 20) + (32 << 10);
+        let q = a.realloc(p, mib, grown);
+        assert_eq!(q, p, "the realloc did not grow in place");
+        assert_eq!(a.last_failure(), before);
+        gfree(&a, q, Layout::from_size_align(grown, 8).unwrap());
+        for (q, l) in fill {
+            gfree(&a, q, l);
+        }
+    }
+    a.check().unwrap();
+    assert_eq!(a.stats().bytes_in_use, 0);
 }

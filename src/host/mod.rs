@@ -290,9 +290,9 @@ struct Heap {
 /// ([`GlobalBfc::last_failure`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AllocFailure {
-    /// Bytes asked for (for a small request that refilled the thread's cache, its size class).
+    /// Bytes asked for (for a `realloc`, the new size).
     pub size: usize,
-    /// Alignment asked for (16 for a small request that refilled the thread's cache).
+    /// Alignment asked for.
     pub align: usize,
     /// Why no block was found.
     pub cause: FailureCause,
@@ -309,7 +309,9 @@ pub enum FailureCause {
     /// The kernel refused to commit memory for the block or its records (a commit limit: strict
     /// overcommit, `RLIMIT_DATA`, `RLIMIT_AS`).
     CommitRefused,
-    /// The request can never fit: larger than the arena, or aligned beyond what the heap serves.
+    /// The request can never fit: no address of the arena at its alignment leaves room for it
+    /// (larger than the arena, or aligned beyond what the heap serves or the arena's place
+    /// allows).
     NeverFits,
 }
 
@@ -328,7 +330,8 @@ impl FailureCause {
                  RLIMIT_DATA or RLIMIT_AS)"
             }
             FailureCause::NeverFits => {
-                "larger than the arena, or aligned beyond what the heap serves"
+                "no address of the arena at its alignment has room for it (larger than the \
+                 arena, or aligned beyond what its place allows)"
             }
         }
     }
@@ -1114,9 +1117,17 @@ impl Heap {
         };
         let mut found = self.large_block(size, grid, align);
         if found.is_none() {
-            // A request larger than the arena, or aligned beyond what the engine serves, never
+            // A request that no aligned address of the arena has room for (larger than the arena,
+            // or aligned beyond what the engine serves or what the arena's place allows) never
             // fits: no reclaim for it.
-            if size > self.arena_end - self.small.arena() || align > crate::core::MAX_ALIGN {
+            let never = align > crate::core::MAX_ALIGN
+                || self
+                    .small
+                    .arena()
+                    .checked_next_multiple_of(align)
+                    .and_then(|start| start.checked_add(size))
+                    .is_none_or(|end| end > self.arena_end);
+            if never {
                 self.cause = FailureCause::NeverFits;
             } else if self.reclaim() {
                 found = self.large_block(size, grid, align);
@@ -1551,6 +1562,7 @@ impl Heap {
             return q;
         }
         // Allocate the new block under the same lock acquisition.
+        let noted = self.last_failure;
         let q = self.allocate(new_size, align);
         if !q.is_null() {
             return q;
@@ -1560,7 +1572,11 @@ impl Heap {
         // coalesced with the free chunk there.
         match self.resize_in_place(ptr, new_size) {
             Some(q) if q.is_null() => self.failed(new_size, align),
-            Some(q) => q,
+            Some(q) => {
+                // The realloc succeeded: the failure the allocation noted is not one.
+                self.last_failure = noted;
+                q
+            }
             // (The allocation above noted the failure.)
             None => ptr::null_mut(),
         }
@@ -1677,7 +1693,7 @@ unsafe impl GlobalAlloc for GlobalBfc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         #[cfg(feature = "std")]
         if let Some(c) = small::class_for(layout.size(), layout.align()) {
-            return self.alloc_small(c);
+            return self.alloc_small(c, layout.size(), layout.align());
         }
         self.alloc_locked(layout.size(), layout.align())
     }
@@ -1686,7 +1702,7 @@ unsafe impl GlobalAlloc for GlobalBfc {
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         #[cfg(feature = "std")]
         if let Some(c) = small::class_for(layout.size(), layout.align()) {
-            let p = self.alloc_small(c);
+            let p = self.alloc_small(c, layout.size(), layout.align());
             if !p.is_null() {
                 // SAFETY: the block holds at least `size` bytes.
                 unsafe { ptr::write_bytes(p, 0, layout.size()) };
@@ -1796,13 +1812,14 @@ impl GlobalBfc {
         }
     }
 
-    /// A small allocation: the thread cache's list for class `c`, else the slow path.
+    /// A small allocation of `size` bytes at `align` (of class `c`): the thread cache's list for
+    /// class `c`, else the slow path.
     #[cfg(feature = "std")]
     #[inline(always)]
-    fn alloc_small(&self, c: usize) -> *mut u8 {
+    fn alloc_small(&self, c: usize, size: usize, align: usize) -> *mut u8 {
         match self.bound_cache(|tc| tc.pop(c)).flatten() {
             Some(p) => p as *mut u8,
-            None => self.alloc_small_slow(c),
+            None => self.alloc_small_slow(c, size, align),
         }
     }
 
@@ -1811,12 +1828,13 @@ impl GlobalBfc {
     #[cfg(feature = "std")]
     #[cold]
     #[inline(never)]
-    fn alloc_small_slow(&self, c: usize) -> *mut u8 {
+    fn alloc_small_slow(&self, c: usize, size: usize, align: usize) -> *mut u8 {
         let from_cache =
-            tcache::with(|tc| self.with_bound_cache(tc, |h| h.refill_cache(tc, c))).flatten();
+            tcache::with(|tc| self.with_bound_cache(tc, |h| h.refill_cache(tc, c, (size, align))))
+                .flatten();
         match from_cache {
             Some(p) => p,
-            None => self.alloc_locked(small::class_size(c), 16),
+            None => self.alloc_locked(size, align),
         }
     }
 
@@ -2031,8 +2049,9 @@ impl Heap {
     }
 
     /// Moves a batch of class `c` blocks into the calling thread's cache `tc` and returns one more
-    /// for the caller (null when out of memory).
-    fn refill_cache(&mut self, tc: &ThreadCache, c: usize) -> *mut u8 {
+    /// for the caller (null when out of memory, noted as a failure of the caller's `request`,
+    /// size and alignment).
+    fn refill_cache(&mut self, tc: &ThreadCache, c: usize, request: (usize, usize)) -> *mut u8 {
         // The slab hands out ascending addresses; the stack is filled in reverse so the thread
         // gets them in that order too (consecutive allocations stay adjacent in memory).
         let mut got = [0usize; tcache::MAX_BATCH + 1];
@@ -2046,8 +2065,7 @@ impl Heap {
             }
         }
         if n == 0 {
-            // (The layout the locked path would ask for this class.)
-            return self.failed(small::class_size(c), 16);
+            return self.failed(request.0, request.1);
         }
         tc.fill_reversed(c, &got[1..n]);
         self.note_peak(small::class_size(c));
