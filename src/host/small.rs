@@ -1005,6 +1005,29 @@ mod tests {
 
     const ARENA: usize = 1 << 40;
 
+    /// The span-table metadata counts, for every span below the end it is given (the span the end
+    /// lies in too), the span's entry and its class byte, plus the span sets' words.
+    #[test]
+    fn metadata_counts_an_entry_and_a_class_byte_per_span_reached() {
+        let h = heap(256);
+        let per_span = SmallHeap::ENTRY + 1;
+        let sets = h.sets.resident_bytes(1);
+        assert_eq!(h.metadata_bytes(ARENA), per_span + sets);
+        for k in 1..64 {
+            assert_eq!(
+                h.metadata_bytes(base(k)) - h.metadata_bytes(base(k) - 1),
+                per_span,
+                "span {k}"
+            );
+            assert_eq!(
+                h.metadata_bytes(base(k) + SPAN - 1),
+                (k + 1) * per_span + sets
+            );
+        }
+        // Never more than the table.
+        assert_eq!(h.metadata_bytes(base(1000)), h.metadata_bytes(base(255)));
+    }
+
     fn base(i: usize) -> usize {
         ARENA + (i << SPAN_SHIFT)
     }

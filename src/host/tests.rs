@@ -1018,6 +1018,39 @@ fn a_huge_interior_block_gives_back_its_pages_at_once_and_spares_its_neighbours(
     assert_eq!(a.check(), Ok(()));
 }
 
+/// A sweep gives back only the whole pages of a free chunk: the page it shares with the live
+/// block after it (the chunk ends mid-page) keeps that block's bytes. (Below the size whose pages
+/// go back at the free, so the release's sweep is what returns them.)
+#[test]
+#[cfg_attr(miri, ignore = "Miri has no mincore")]
+fn a_sweep_spares_the_page_a_free_chunk_shares_with_a_live_block() {
+    let a = big_instance();
+    let block = Layout::from_size_align((3 << 19) + 48, 16).unwrap();
+    let (p, usable, n) = block_beside_a_neighbour(&a, block);
+    assert_ne!(
+        (p as usize + usable) % os::page_size(),
+        0,
+        "ends on a page boundary"
+    );
+    // SAFETY: `p` came from `a.alloc(block)`.
+    unsafe { a.dealloc(p, block) };
+    let page = os::page_size();
+    let first = (p as usize).next_multiple_of(page);
+    let last = (p as usize + usable) & !(page - 1);
+    assert!(
+        resident_pages(first as *mut u8, last - first) > 0,
+        "already given back"
+    );
+    assert!(a.release_free_memory() >= last - first);
+    assert_eq!(resident_pages(first as *mut u8, last - first), 0);
+    // SAFETY: `n` is live and holds the neighbour's bytes.
+    let ok = unsafe { filled_with(n, neighbour().size(), 0x5a) };
+    assert!(ok, "a live neighbour lost its data");
+    // SAFETY: `n` came from `a.alloc(neighbour())`.
+    unsafe { a.dealloc(n, neighbour()) };
+    assert_eq!(a.check(), Ok(()));
+}
+
 #[test]
 #[cfg_attr(miri, ignore = "a 128 MiB block in a 512 MiB arena")]
 fn a_huge_shrink_in_place_keeps_the_blocks_last_page() {
@@ -1612,4 +1645,39 @@ fn small_realloc_stays_in_place(a: &GlobalBfc) {
     // SAFETY: `q` is live with this layout.
     unsafe { a.dealloc(q, Layout::from_size_align(new_size, 8).unwrap()) };
     assert_eq!(a.check(), Ok(()));
+}
+
+/// The slab layer's metadata in `stats()` follows how far the heap has reached: an 8 MiB block
+/// adds a span-table entry and class byte for each 64 KiB of it.
+#[test]
+#[cfg_attr(miri, ignore = "an 8 MiB block")]
+fn span_metadata_follows_what_the_heap_reached() {
+    let a = big_instance();
+    let l = Layout::from_size_align(8 << 20, 8).unwrap();
+    // SAFETY: a non-zero size; the block is written within it and freed once with it.
+    let p = unsafe { a.alloc(l) };
+    assert!(!p.is_null());
+    // SAFETY: as above.
+    unsafe { p.write(1) };
+    let (reached, start, span_part) = a
+        .with_heap(|h| {
+            (
+                h.bfc.source().reached_end(),
+                h.small.arena(),
+                h.stats().metadata_bytes - h.bfc.stats().metadata_bytes,
+            )
+        })
+        .unwrap();
+    let end = p as usize + (8 << 20);
+    assert!(
+        reached >= end,
+        "reached {reached:#x}, the block ends at {end:#x}"
+    );
+    assert!(
+        span_part >= (end - start) / SPAN * (small::SmallHeap::ENTRY + 1),
+        "{span_part} bytes of span metadata for {} MiB",
+        (end - start) >> 20
+    );
+    // SAFETY: as above.
+    unsafe { a.dealloc(p, l) };
 }
