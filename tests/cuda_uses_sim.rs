@@ -266,6 +266,26 @@ fn a_use_in_another_context_is_waited_for_even_when_its_guard_skips_the_wait() {
     drop(again);
 }
 
+/// A buffer used in two other contexts: the free waits for each context whose guard skipped
+/// its wait, not only the first context the buffer was used in.
+#[test]
+fn uses_in_two_other_contexts_are_each_waited_for_at_the_free() {
+    const Y: SimStream = SimStream::in_context(2, 7);
+    let (dev, pool) = setup();
+    let buf = alloc(&pool, A, MIB);
+    let in_x = buf.simulate_use(X);
+    // The second context holds a recorded error: the guard's wait for the use there is skipped.
+    dev.set_context_error(Y.context(), true);
+    let in_y = buf.simulate_use(Y);
+    assert!(dev.completed(Y) < in_y, "the guard's wait was not skipped");
+    drop(buf);
+    assert!(dev.completed(X) >= in_x);
+    assert!(
+        dev.completed(Y) >= in_y,
+        "the block went back while the use in the second other context may still run"
+    );
+}
+
 #[test]
 fn an_unmarked_end_of_use_makes_the_free_wait_for_the_device() {
     let (dev, pool) = setup();
