@@ -598,6 +598,13 @@ fn only_what_the_heap_reached_is_committed() {
             assert!(p.done < p.len, "a whole part is committed");
             assert_eq!(accessible_bytes(p.at, p.at + p.len), p.done);
         }
+        // The arena's commit moves (up and down) in whole steps.
+        assert_eq!(
+            arena.done % super::arena::COMMIT_STEP,
+            0,
+            "committed {}",
+            arena.done
+        );
         arena.done
     };
     let l = Layout::from_size_align(3 << 20, 8).unwrap();
