@@ -990,6 +990,59 @@ fn an_all_zero_record_is_the_empty_record() {
     assert_eq!(std::format!("{zero:?}"), std::format!("{:?}", Chunk::EMPTY));
 }
 
+/// Each line of the counters' `Display` shows its own field: every field gets a distinct value.
+#[test]
+fn stats_display_names_each_field_with_its_value() {
+    use std::string::ToString;
+    let stats = Stats {
+        num_allocs: 101,
+        bytes_in_use: 1000,
+        peak_bytes_in_use: 1002,
+        largest_alloc_size: 1003,
+        bytes_limit: 1004,
+        bytes_reserved: 1005,
+        peak_bytes_reserved: 1006,
+        largest_free_block: 2,
+        num_chunks_in_use: 7,
+        num_free_chunks: 8,
+        num_cached_chunks: 9,
+        bytes_cached: 1010,
+        num_regions: 11,
+        metadata_bytes: 50,
+    };
+    let text = stats.to_string();
+    let line = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+            .split_whitespace()
+            .nth(1)
+            .unwrap()
+            .to_string()
+    };
+    for (name, value) in [
+        ("num_allocs:", 101),
+        ("bytes_in_use:", 1000),
+        ("peak_bytes_in_use:", 1002),
+        ("largest_alloc_size:", 1003),
+        ("bytes_limit:", 1004),
+        ("bytes_reserved:", 1005),
+        ("peak_bytes_reserved:", 1006),
+        ("largest_free_block:", 2),
+        ("regions:", 11),
+        ("metadata_bytes:", 50),
+    ] {
+        assert_eq!(line(name), value.to_string(), "{name} in {text}");
+    }
+    // 1 - 2 / (1005 - 1000) free bytes.
+    assert_eq!(line("fragmentation:"), "0.6000", "{text}");
+    assert!(
+        text.contains("chunks in use/free/cached: 7/8/9 (1010 B cached)"),
+        "{text}"
+    );
+    assert!(text.ends_with("(5.00% of in use)"), "{text}");
+}
+
 #[test]
 fn reports_format_any_values_without_panicking() {
     use std::string::ToString;
