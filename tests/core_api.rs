@@ -352,6 +352,8 @@ enum Breach {
     Unaligned,
     /// The first region's base again for the second.
     Overlapping,
+    /// A region at the top of the address space that runs past its end.
+    Wrapping,
 }
 
 /// A source that breaks its contract (the engine checks the regions it gets in debug builds).
@@ -369,6 +371,7 @@ unsafe impl bfc_alloc::MemorySource for Broken {
     fn alloc_region(&mut self, size: usize, align: usize) -> Option<usize> {
         match (self.breach, self.first) {
             (Breach::Unaligned, _) => Some(self.inner.alloc_region(size, align)? + 8),
+            (Breach::Wrapping, _) => Some(usize::MAX & !(align - 1)),
             (Breach::Overlapping, Some(base)) => Some(base),
             (Breach::Overlapping, None) => {
                 let base = self.inner.alloc_region(size, align)?;
@@ -404,6 +407,14 @@ fn broken_engine(breach: Breach) -> Bfc<Broken, Vec<Chunk>> {
 #[should_panic(expected = "not aligned to")]
 fn a_source_region_off_its_alignment_is_caught() {
     let mut bfc = broken_engine(Breach::Unaligned);
+    let _ = bfc.allocate(1, 1);
+}
+
+#[test]
+#[cfg(debug_assertions)]
+#[should_panic(expected = "past the address space")]
+fn a_source_region_past_the_end_of_the_address_space_is_caught() {
+    let mut bfc = broken_engine(Breach::Wrapping);
     let _ = bfc.allocate(1, 1);
 }
 

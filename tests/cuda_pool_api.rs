@@ -97,10 +97,19 @@ fn odd_pool_options_are_refused_or_work() {
     let dev = SimDevice::new(GIB);
     let mut cases = Vec::new();
     let d = PoolOptions::with_limit(256 * MIB);
-    cases.push(PoolOptions {
-        initial_region_size: 0,
-        ..d
-    });
+    // Growth from nothing is refused, and says why.
+    match DevicePool::with_backend(
+        dev.backend(),
+        PoolOptions {
+            initial_region_size: 0,
+            ..d
+        },
+    ) {
+        Err(PoolError::Config(why)) => {
+            assert_eq!(why, "initial_region_size must not be 0 with allow_growth")
+        }
+        r => panic!("{:?}", r.map(|_| ())),
+    }
     cases.push(PoolOptions {
         initial_region_size: 1,
         ..d
