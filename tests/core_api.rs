@@ -269,28 +269,37 @@ fn releasing_then_dropping_gives_each_region_back_once() {
     assert_eq!(out.get(), 0);
 }
 
+/// A host-configured engine whose chunk table is exactly full once it holds a block of each of
+/// `sizes`, each followed by a separator block that is never freed, and the rest of the region;
+/// returns the engine and the blocks' addresses.
+fn full_table_with_blocks(sizes: &[usize]) -> (Bfc<SimSource, Vec<Chunk>>, Vec<usize>) {
+    let mut b = Bfc::new(
+        Config::host(1 << 20),
+        SimSource::new(1 << 40, 1 << 30),
+        vec![Chunk::EMPTY; 2 * sizes.len() + 1],
+    )
+    .unwrap();
+    let xs = sizes
+        .iter()
+        .map(|&size| {
+            let x = b.allocate(size, 1).unwrap();
+            b.allocate(1, 1).unwrap();
+            x
+        })
+        .collect();
+    (b, xs)
+}
+
 /// With the chunk table full, a request that the first fit found would have to split (a new
 /// record) is served by a free chunk that fits it whole, deeper in its class's list.
 #[test]
 fn a_full_chunk_table_still_serves_a_request_a_free_chunk_fits_whole() {
     let g = 16; // the host granule
     let req = 128 * g;
-    // 9 blocks, each followed by a separator that is never freed, and the rest of the region: 19
-    // records, the whole table.
-    let mut b = Bfc::new(
-        Config::host(1 << 20),
-        SimSource::new(1 << 40, 1 << 30),
-        vec![Chunk::EMPTY; 19],
-    )
-    .unwrap();
-    let mut xs = Vec::new();
-    for i in 0..9 {
-        // The first block fits the request exactly, the others are a granule larger (a tail the
-        // host configuration splits off).
-        let size = if i == 0 { req } else { req + g };
-        xs.push(b.allocate(size, 1).unwrap());
-        b.allocate(1, 1).unwrap();
-    }
+    // The first block fits the request exactly, the other 8 are a granule larger (a tail the host
+    // configuration splits off): 19 records, the whole table.
+    let sizes: Vec<usize> = (0..9).map(|i| if i == 0 { req } else { req + g }).collect();
+    let (mut b, xs) = full_table_with_blocks(&sizes);
     // The exact one freed first: last in its class's list (last freed first).
     for &x in &xs {
         b.deallocate(x).unwrap();
@@ -314,21 +323,13 @@ fn a_full_chunk_table_still_serves_a_request_a_free_chunk_fits_whole() {
 fn a_full_chunk_table_serves_a_bounded_request_from_a_whole_fit_below_the_bound() {
     let g = 16; // the host granule
     let req = 128 * g;
-    let mut b = Bfc::new(
-        Config::host(1 << 20),
-        SimSource::new(1 << 40, 1 << 30),
-        vec![Chunk::EMPTY; 21],
-    )
-    .unwrap();
     // Exact fits first and last, eight blocks a granule larger (split by the host configuration)
-    // between, so that the first fit the engine looks at (`fit_scan`, 8) needs a record; each
-    // followed by a separator that is never freed; and the rest of the region: 21 records.
-    let mut xs = Vec::new();
-    for i in 0..10 {
-        let size = if i == 0 || i == 9 { req } else { req + g };
-        xs.push(b.allocate(size, 1).unwrap());
-        b.allocate(1, 1).unwrap();
-    }
+    // between, so that the first fit the engine looks at (`fit_scan`, 8) needs a record: 21
+    // records, the whole table.
+    let sizes: Vec<usize> = (0..10)
+        .map(|i| if i == 0 || i == 9 { req } else { req + g })
+        .collect();
+    let (mut b, xs) = full_table_with_blocks(&sizes);
     // List order from the head: the larger ones, then the high exact fit, then the low one.
     b.deallocate(xs[0]).unwrap();
     b.deallocate(xs[9]).unwrap();
