@@ -1778,6 +1778,55 @@ fn a_zero_fit_scan_is_refused() {
 }
 
 #[test]
+fn each_bad_config_field_is_named() {
+    let base = without_quick_lists(Config::host(1 << 20));
+    let refused = |change: &dyn Fn(&mut Config)| {
+        let mut c = base;
+        change(&mut c);
+        let why = c.validate().expect_err("a bad config passed");
+        assert!(Bfc::new(c, SimSource::new(BASE, 1 << 36), vec![Chunk::EMPTY; 16]).is_err());
+        why
+    };
+    for granule in [0, 4, 24] {
+        assert_eq!(
+            refused(&|c| c.granule = granule),
+            "granule must be a power of two from 8 to 2 MiB"
+        );
+    }
+    for blocks in [0, 3] {
+        assert_eq!(
+            refused(&|c| c.map_block_granules = blocks),
+            "map_block_granules must be a power of two"
+        );
+    }
+    assert_eq!(
+        refused(&|c| {
+            c.granule = 1 << 20;
+            c.map_block_granules = 1 << (usize::BITS - 20);
+        }),
+        "granule * map_block_granules overflows"
+    );
+    let quick = "quick_max_size above 64 granules or quick_depth above 65535";
+    assert_eq!(
+        refused(&|c| c.quick_max_size = (QUICK_MAX_GRANULES + 1) * c.granule),
+        quick
+    );
+    assert_eq!(refused(&|c| c.quick_depth = 1 << 16), quick);
+    // The limits themselves pass.
+    let mut c = base;
+    c.quick_max_size = QUICK_MAX_GRANULES * c.granule;
+    c.quick_depth = u16::MAX as usize;
+    c.map_block_granules = 1;
+    assert_eq!(c.validate(), Ok(()));
+    c.granule = 8;
+    c.quick_max_size = QUICK_MAX_GRANULES * 8;
+    assert_eq!(c.validate(), Ok(()));
+    c.granule = 2 << 20;
+    c.quick_max_size = 0;
+    assert_eq!(c.validate(), Ok(()));
+}
+
+#[test]
 fn an_oom_report_sums_the_free_chunks_by_size() {
     let mut b = engine(without_quick_lists(Config::host(1 << 20)));
     let p = alloc(&mut b, 4096, 16);
