@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 echo "== unit, integration and doc tests"
 cargo test --all-targets
-cargo test --doc
+cargo test --doc --features cuda   # the device pool's examples too
 cargo test --all-targets --features cuda   # the device pool; GPU tests skip without a driver
 # Release builds check some bad frees later than debug builds (the fast paths trust the layout).
 cargo test --release --test global

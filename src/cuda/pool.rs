@@ -1773,11 +1773,15 @@ impl<B: DeviceBackend> DevicePool<B> {
     }
 
     /// Takes the errors recorded where none could be returned (while freeing buffers), oldest first.
+    ///
+    /// The pool keeps the 64 most recent such errors; older ones are dropped as newer ones come.
+    /// Errors of the pool's own final drop (when its last handle and buffer go) cannot be taken.
     pub fn take_errors(&self) -> Vec<PoolError> {
         core::mem::take(&mut self.shared.lock().errors)
     }
 
-    /// `Err` with the oldest recorded error (and clears them all), or `Ok` if there were none.
+    /// `Err` with the oldest recorded error still kept (and clears them all), or `Ok` if there were
+    /// none. See [`take_errors`](Self::take_errors).
     pub fn check_err(&self) -> Result<(), PoolError> {
         match self.take_errors().into_iter().next() {
             Some(e) => Err(e),

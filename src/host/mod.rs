@@ -100,7 +100,12 @@
 //! another thread's cache stay there until that thread flushes
 //! ([`GlobalBfc::flush_thread_cache`]) or exits: its fast paths take no lock. Freeing a pointer the
 //! allocator does not own, a double free, or a pointer into the middle of a block aborts the process
-//! with a message naming the problem; the heap is never silently corrupted.
+//! with a message naming the problem, with one exception: a thread cache checks a small free only
+//! against its layout's class (the pointer in the arena, on an object start of that class, not the
+//! block on top of the cache), so a double free, a wrong small layout, or a pointer inside a larger
+//! block that passes those checks is cached, may be handed out again, and is caught (the process
+//! aborts) only when the block leaves the cache. Debug builds also check, on every free, that the
+//! pointer's span is of the layout's class. See the README's "Checks".
 //!
 //! # `fork`
 //!
@@ -178,7 +183,10 @@ pub struct HostConfig {
     /// is full, an allocation that needs a new record fails (returns null) though the arena may
     /// have room.
     pub chunk_capacity: usize,
-    /// Free chunks at least this large give their pages back to the kernel (default 1 MiB).
+    /// Free chunks at least this large give their pages back to the kernel (default 1 MiB; the
+    /// `T` of the module docs' "Giving memory back"). Any value is accepted (only whole pages go
+    /// back, whatever it is); `usize::MAX` turns the automatic give-back off (pages go back only
+    /// through [`GlobalBfc::release_free_memory`]).
     pub release_threshold: usize,
     /// Allocation granule in bytes (default 16).
     pub granule: usize,
