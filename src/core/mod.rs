@@ -54,7 +54,9 @@
 //!
 //! With `allow_growth` the first region is `initial_region_size` and each new one doubles (as big as
 //! the request needs); without it one region of `memory_limit` is taken on first use. When the source
-//! refuses, the size backs off by 0.9 down to the request. `memory_limit` caps `bytes_reserved`.
+//! refuses, the size backs off by 0.9 down to the request, at most [`MAX_BACKOFF_STEPS`] times
+//! (TensorFlow backs off without a bound), then asks for just the request: a source that refuses
+//! everything is asked at most 18 times per growth. `memory_limit` caps `bytes_reserved`.
 //! Before reporting out-of-memory, fully free regions are returned to the source and growth is tried
 //! once more.
 
@@ -121,6 +123,11 @@ const FAST_SCAN: usize = 64;
 
 /// Largest quick-list size in granules.
 pub const QUICK_MAX_GRANULES: usize = 64;
+
+/// Steps of the 0.9 back-off when the source refuses a region (to 0.9^16, about 0.19 of the size
+/// first asked for), before the engine asks for just what the request needs: a growth calls the
+/// source at most 18 times.
+pub const MAX_BACKOFF_STEPS: usize = 16;
 
 impl Config {
     /// TensorFlow's device settings: 256-byte granule, split at 2x or 128 MiB waste, growth from 2 MiB.
@@ -1522,6 +1529,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             return Err(OomCause::NoGrowth);
         };
         let first = size;
+        let mut steps = 0;
         loop {
             if let Some(base) = self.source.alloc_region(size, region_align) {
                 match self.add_region(base, size, region_align) {
@@ -1539,8 +1547,15 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             if size == needed {
                 return Err(OomCause::SourceRefused);
             }
-            // Back off by 0.9, never below what the request needs.
-            size = ((size / 10 * 9) & !(granule - 1)).max(needed);
+            // Back off by 0.9, never below what the request needs; after `MAX_BACKOFF_STEPS`
+            // steps (below 0.19 of the first size) ask for what the request needs: a source that
+            // refuses everything (a device out of memory) is asked a bounded number of times.
+            steps += 1;
+            size = if steps > MAX_BACKOFF_STEPS {
+                needed
+            } else {
+                ((size / 10 * 9) & !(granule - 1)).max(needed)
+            };
         }
     }
 

@@ -253,6 +253,51 @@ fn growth_doubles_and_backs_off() {
 }
 
 #[test]
+fn a_source_that_refuses_everything_is_asked_a_bounded_number_of_times() {
+    // Regions have doubled to 1 GiB; then the source refuses everything (a device out of memory).
+    let mut b = engine(Config::device(1 << 40));
+    for _ in 0..10 {
+        alloc(&mut b, 1 << 29, 1);
+    }
+    let next = 2 * b.source().requests.last().unwrap();
+    assert!(next >= 1 << 30, "{:?}", b.source().requests);
+    // Fill what is left of the regions.
+    loop {
+        let largest = b.stats().largest_free_block;
+        if largest == 0 {
+            break;
+        }
+        alloc(&mut b, largest, 1);
+    }
+    b.source_mut().refuse_above = 0;
+    b.source_mut().requests.clear();
+    // The regions are full: a 256-byte request needs a region. Unbounded 0.9 steps from 1 GiB down
+    // to 256 bytes would ask 145 times.
+    assert!(b.allocate(256, 1).is_err());
+    let asked = b.source().requests.len();
+    // The first size, 16 steps of 0.9, then the request alone.
+    assert!(
+        asked == 18 && MAX_BACKOFF_STEPS == 16,
+        "asked {asked} times: {:?}",
+        b.source().requests
+    );
+    // 0.9 steps first, then the request alone.
+    let reqs = &b.source().requests;
+    assert_eq!(reqs[0], next);
+    assert_eq!(*reqs.last().unwrap(), 256);
+    for w in reqs[..reqs.len() - 1].windows(2) {
+        assert!(w[1] < w[0] && w[1] >= w[0] / 10 * 9 - 256, "{reqs:?}");
+    }
+    // A source that has a little room left gives a region of what the request needs.
+    b.source_mut().refuse_above = 4 << 20;
+    b.source_mut().requests.clear();
+    alloc(&mut b, 3 << 20, 1);
+    assert_eq!(b.source().requests.last(), Some(&(3 << 20)));
+    assert!(b.source().requests.len() <= 18);
+    checked(&b);
+}
+
+#[test]
 fn a_failed_growth_leaves_the_next_region_size_alone() {
     // The source refuses any region above 16 MiB. Three refused 64 MiB requests must not inflate
     // the size of the next region: it still doubles from the first one's 2 MiB to 4 MiB.
