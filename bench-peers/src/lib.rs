@@ -38,6 +38,9 @@ pub const WORKLOADS: &[(&str, &str)] = &[
     ("achurn2", "ns/step/thread"),
     ("xfree", "ns/object"),
     ("json", "ms/round (11.5 MB parse + serialize)"),
+    ("bufw", "ns/step"),
+    ("zero", "ns/KiB"),
+    ("zerol", "ns/KiB"),
 ];
 
 struct Rng(u64);
@@ -152,6 +155,27 @@ fn churn<const EVERY_PAGE: bool>(
 ) -> f64 {
     let (t0, t1) = churn_span::<EVERY_PAGE>(seed, live, lo, hi, steps, 8, None);
     (t1 - t0).as_nanos() as f64 / steps as f64
+}
+
+/// `vec![0u8; n]` (`alloc_zeroed`) for `steps` log-uniform sizes in `lo..=hi`, each replacing one
+/// of 8 live buffers at random, with one byte written per 4 KiB page: ns per KiB allocated.
+fn zeroed(steps: usize, lo: usize, hi: usize) -> f64 {
+    let mut rng = Rng(21);
+    let mut live: Vec<Vec<u8>> = (0..8).map(|_| Vec::new()).collect();
+    let mut bytes = 0usize;
+    let t = Instant::now();
+    for _ in 0..steps {
+        let n = rng.log_size(lo, hi);
+        bytes += n;
+        let mut v = vec![0u8; n];
+        for off in (0..n).step_by(4096) {
+            v[off] = off as u8 | 1;
+        }
+        let i = (rng.next() % 8) as usize;
+        live[i] = black_box(v);
+    }
+    black_box(&live);
+    t.elapsed().as_nanos() as f64 / (bytes as f64 / 1024.0)
 }
 
 fn pairs(n: usize) -> f64 {
@@ -301,6 +325,11 @@ pub fn main() {
         "achurn2" => threaded_churn(2, 2_000_000, 64),
         "xfree" => cross_thread_free(2_000_000),
         "json" => json(2),
+        // A few I/O buffers of 16 KiB..1 MiB (8 live), every page written.
+        "bufw" => churn::<true>(4, 8, 16 << 10, 1 << 20, 100_000),
+        // `vec![0u8; n]`, 8 live, a byte written per page: n 4 KiB..1 MiB, then 1..16 MiB.
+        "zero" => zeroed(100_000, 4 << 10, 1 << 20),
+        "zerol" => zeroed(1_000, 1 << 20, 16 << 20),
         other => panic!("unknown workload {other}"),
     };
     println!("{name} {value:.3} {}", peak_rss_kib());

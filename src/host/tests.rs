@@ -1241,10 +1241,9 @@ fn zeroed_blocks_below_the_end_of_touched_memory_are_zero() {
 
 #[test]
 fn a_large_zeroed_block_spares_the_next_blocks_page() {
-    let a = small_instance();
-    let threshold = a.config().release_threshold;
-    // At least the threshold (zeroed by giving pages back) and no page multiple.
-    let big = Layout::from_size_align(threshold + 100, 8).unwrap();
+    let a = big_instance();
+    // Zeroed by giving pages back, and no page multiple.
+    let big = Layout::from_size_align(ZERO_BY_DISCARD + 100, 8).unwrap();
     let (p, _, n) = block_beside_a_neighbour(&a, big);
     // SAFETY: `p` came from `a.alloc(big)`.
     unsafe { a.dealloc(p, big) };
@@ -1456,30 +1455,101 @@ fn a_free_of_exactly_the_threshold_counts_toward_the_policy() {
 fn the_free_top_is_trimmed_with_hysteresis() {
     let a = big_instance();
     let kb = 1 << 10;
-    let l = Layout::from_size_align(512 * kb, 4096).unwrap();
+    // A quarter of the threshold: the retained amount stays the threshold, 1 MiB.
+    let l = Layout::from_size_align(256 * kb, 4096).unwrap();
     // SAFETY: a non-zero size.
-    let b: std::vec::Vec<*mut u8> = (0..5).map(|_| unsafe { a.alloc(l) }).collect();
-    for i in 1..5 {
-        assert_eq!(b[i] as usize, b[i - 1] as usize + 512 * kb);
+    let b: std::vec::Vec<*mut u8> = (0..9).map(|_| unsafe { a.alloc(l) }).collect();
+    for i in 1..9 {
+        assert_eq!(b[i] as usize, b[i - 1] as usize + 256 * kb);
     }
-    let top = b[4] as usize + 512 * kb;
+    let top = b[8] as usize + 256 * kb;
     assert_eq!(brk(&a), top);
     assert_eq!(a.with_heap(|h| h.retain).unwrap(), 1 << 20);
     // SAFETY: from `a.alloc(l)`, each freed once.
     unsafe {
-        a.dealloc(b[4], l);
-        a.dealloc(b[3], l);
-        // 1.5 MiB touched above the free top's start: more than the retained 1 MiB, less than
-        // twice it: kept.
-        a.dealloc(b[2], l);
+        for i in (2..9).rev() {
+            a.dealloc(b[i], l);
+        }
     }
+    // 1.75 MiB touched above the free top's start: more than the retained 1 MiB, less than
+    // twice it: kept.
     assert_eq!(brk(&a), top, "trimmed without hysteresis");
+    assert_eq!(a.with_heap(|h| h.retain).unwrap(), 1 << 20);
     // SAFETY: as above.
     unsafe { a.dealloc(b[1], l) };
     // 2 MiB touched: trimmed to the retained 1 MiB.
     assert_eq!(brk(&a), b[1] as usize + (1 << 20));
     // SAFETY: as above.
     unsafe { a.dealloc(b[0], l) };
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// Blocks below the release threshold raise the retained amount too: a program that churns a
+/// few buffers of up to 1 MiB (bench-peers `bufw`) keeps them touched instead of having its free
+/// top trimmed to 1 MiB again and again.
+#[test]
+#[cfg_attr(miri, ignore = "Miri has no mincore")]
+fn blocks_below_the_threshold_raise_the_retained_amount() {
+    let a = big_instance();
+    let kb = 1 << 10;
+    let l = Layout::from_size_align(768 * kb, 4096).unwrap();
+    // SAFETY: a non-zero size.
+    let b: std::vec::Vec<*mut u8> = (0..4).map(|_| unsafe { a.alloc(l) }).collect();
+    for &p in &b {
+        assert!(!p.is_null());
+        // SAFETY: `p` holds `l.size()` bytes.
+        unsafe { p.write_bytes(0xa5, l.size()) };
+    }
+    let start = b[0] as usize;
+    assert_eq!(
+        b[3] as usize,
+        start + 3 * 768 * kb,
+        "blocks are not contiguous"
+    );
+    // SAFETY: from `a.alloc(l)`, each freed once.
+    unsafe {
+        for &p in b.iter().rev() {
+            a.dealloc(p, l);
+        }
+    }
+    // Four times 768 KiB retained; the 3 MiB touched are below twice that: all kept.
+    assert_eq!(a.with_heap(|h| h.retain).unwrap(), 4 * 768 * kb);
+    assert_eq!(brk(&a), start + 4 * 768 * kb, "the free top was trimmed");
+    assert_eq!(resident_pages(b[0], 4 * 768 * kb), 4 * 768 * kb / 4096);
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A reused block below 64 MiB is zeroed by writing it: its pages stay resident (giving them
+/// back and faulting them in again costs several times more when the caller uses the block).
+#[test]
+#[cfg_attr(miri, ignore = "Miri has no mincore")]
+fn a_reused_block_below_64_mib_is_zeroed_by_writing_it() {
+    let a = big_instance();
+    // Resident pages of a dirty block (a guard after it, so that it is not the free top) taken
+    // again through `alloc_zeroed`, counted before anything reads it (a read maps zero pages).
+    let resident_after_zeroing = |l: Layout| {
+        let (p, _, n) = block_beside_a_neighbour(&a, l);
+        // SAFETY: from `a.alloc(l)`, freed once; then a non-zero size.
+        let z = unsafe {
+            a.dealloc(p, l);
+            a.alloc_zeroed(l)
+        };
+        assert_eq!(z, p, "not reused");
+        let resident = resident_pages(z, l.size());
+        // SAFETY: `z` holds `l.size()` bytes; both blocks are freed once.
+        unsafe {
+            assert!(filled_with(z, l.size(), 0), "old data in a zeroed block");
+            a.dealloc(z, l);
+            a.dealloc(n, neighbour());
+        }
+        resident
+    };
+    let l = Layout::from_size_align(8 << 20, 4096).unwrap();
+    assert_eq!(resident_after_zeroing(l), l.size() / 4096);
+    // From 64 MiB on, the pages go back instead (a block that large already gave its pages back
+    // when it was freed: writing it would fault every page in).
+    let huge = Layout::from_size_align(ZERO_BY_DISCARD, 4096).unwrap();
+    assert_eq!(resident_after_zeroing(huge), 0);
     assert_eq!(a.check(), Ok(()));
 }
 
