@@ -3,8 +3,8 @@
 //! One [`DevicePool`] per device (context) runs the same engine as the host allocator, with
 //! TensorFlow's device settings: a 256-byte granule, regions from the driver (`cuMemAlloc`) that
 //! start at 2 MiB and double (or one region of the whole limit up front), a 0.9 back-off when the
-//! driver refuses a size (16 steps at most, then just what the request needs, so a device out of
-//! memory is asked at most 18 times per growth), and a limit on the memory taken ([`MemoryLimit`]: TensorFlow's default of
+//! driver refuses a size (16 steps at most, then halving down to the request, so a device out of
+//! memory is asked about 40 times per growth where TensorFlow asks about 150), and a limit on the memory taken ([`MemoryLimit`]: TensorFlow's default of
 //! the free memory minus a [system reserve](min_system_memory), a fraction of the total, or bytes).
 //! Chunk metadata stays in host memory; the pool never touches device memory itself.
 //!

@@ -64,8 +64,8 @@
 //!
 //! With `T` = [`HostConfig::release_threshold`], pages go back to the kernel
 //! (`madvise(MADV_DONTNEED)`) as follows. `R`, the retained amount, starts at `T` and grows to four
-//! times the largest block freed so far (up to 64 MiB; blocks of 64 MiB or more do not count), like
-//! glibc's dynamic thresholds.
+//! times the largest block freed so far whose free chunk (after coalescing) is at least `T` (up to
+//! 64 MiB; blocks of 64 MiB or more do not count), like glibc's dynamic thresholds.
 //! - The free top of the arena (when at least `T` bytes) keeps `R` bytes of touched memory and
 //!   returns the rest once at least `2R` of it were touched; after a free of 64 MiB or more it keeps
 //!   only `T`.
@@ -292,6 +292,9 @@ struct Heap {
     cause: FailureCause,
     /// The latest allocation that returned null.
     last_failure: Option<AllocFailure>,
+    /// Whether the latest large block came from a free chunk a sweep gave back (read by
+    /// `alloc_zeroed`, which clears it first).
+    last_swept: bool,
 }
 
 /// An allocation that returned null: what the heap looked for, and why it failed
@@ -413,8 +416,10 @@ const MAX_RETAIN: usize = 64 << 20;
 /// Giving a resident page back and faulting it in again costs several times more than writing it:
 /// bench-peers `zerol` (`vec![0u8; n]`, n 1..16 MiB, 8 live, a byte written per page) took 440 ns
 /// per KiB with 1.37 million faults when blocks from 1 MiB were given back, 45 ns and 29,000
-/// faults when written (glibc 129 ns; `zeron`, which writes nothing, 33 ns against 12 ns). Blocks
-/// this large are given back when freed (see [`MAX_RETAIN`]), so little of them is old data.
+/// faults when written (glibc 129 ns). Blocks this large are given back when freed (see
+/// [`MAX_RETAIN`]), so little of them is old data. A block carved from a free chunk whose pages a
+/// sweep gave back is zeroed by giving them back again whatever its size: writing it would fault
+/// every page in (a 32 MiB block: 17 ms and 8,192 resident pages, against microseconds and none).
 const ZERO_BY_DISCARD: usize = MAX_RETAIN;
 
 /// First-use initialisation state.
@@ -1015,6 +1020,7 @@ impl Heap {
                 addr_of_mut!((*heap).page).write(page);
                 addr_of_mut!((*heap).cause).write(FailureCause::ArenaFull);
                 addr_of_mut!((*heap).last_failure).write(None);
+                addr_of_mut!((*heap).last_swept).write(false);
             }
             // Every field is written above: this pattern names them all, so a new field fails to
             // compile here until it is written too.
@@ -1043,6 +1049,7 @@ impl Heap {
                     page: _,
                     cause: _,
                     last_failure: _,
+                    last_swept: _,
                 } = h;
             };
             Ok::<(), &'static str>(())
@@ -1153,6 +1160,7 @@ impl Heap {
         }
         match found {
             Some(b) => {
+                self.last_swept = b.swept;
                 // All of the block: its caller may write up to `usable_size`.
                 self.note_allocated(b.ptr, b.size);
                 self.note_peak(b.size);
@@ -1732,9 +1740,14 @@ unsafe impl GlobalAlloc for GlobalBfc {
         }
         // `fresh`: the heap's end of touched memory before this allocation. Nothing was ever
         // written at or above it (or its pages were returned), so that part of the block is zero.
-        let Some((p, page, fresh)) = self.with_heap(|h| {
+        // `swept`: the block came from a free chunk whose pages a sweep gave back: they read as zero
+        // (but for the chunk's partial end pages), so giving them back again costs little, and
+        // writing them would fault every page in.
+        let Some((p, page, fresh, swept)) = self.with_heap(|h| {
             let fresh = h.brk;
-            (h.allocate(layout.size(), layout.align()), h.page, fresh)
+            h.last_swept = false;
+            let p = h.allocate(layout.size(), layout.align());
+            (p, h.page, fresh, h.last_swept)
         }) else {
             return ptr::null_mut();
         };
@@ -1747,9 +1760,9 @@ unsafe impl GlobalAlloc for GlobalBfc {
             .saturating_sub(p as usize);
         let lo = (p as usize).next_multiple_of(page);
         let hi = (p as usize + dirty) & !(page - 1);
-        if dirty >= ZERO_BY_DISCARD.max(self.config.release_threshold) && hi > lo {
-            // Huge: zero the whole pages by giving them back (they fault in as zero pages), and
-            // write only the partial pages at the ends.
+        if (swept || dirty >= ZERO_BY_DISCARD.max(self.config.release_threshold)) && hi > lo {
+            // Huge, or given back before: zero the whole pages by giving them back (they fault in
+            // as zero pages), and write only the partial pages at the ends.
             // SAFETY: `lo..hi` is page-aligned inside the block we own; `p..lo` and `hi..p + dirty`
             // too.
             unsafe {

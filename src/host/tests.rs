@@ -1553,6 +1553,52 @@ fn a_reused_block_below_64_mib_is_zeroed_by_writing_it() {
     assert_eq!(a.check(), Ok(()));
 }
 
+/// A block carved from a free chunk whose pages a sweep gave back is zeroed by giving them back
+/// again (cheap), not by writing them: that would fault every page in, for a caller that may use
+/// few of them (a sparse table).
+#[test]
+#[cfg_attr(miri, ignore = "Miri has no mincore")]
+fn a_block_from_a_swept_chunk_is_not_faulted_in_by_zeroing() {
+    let a = big_instance();
+    let l = Layout::from_size_align(32 << 20, 4096).unwrap();
+    let (p, _, n) = block_beside_a_neighbour(&a, l);
+    // SAFETY: from `a.alloc(l)`, freed once.
+    unsafe { a.dealloc(p, l) };
+    assert!(a.release_free_memory() >= l.size());
+    assert_eq!(resident_pages(p, l.size()), 0);
+    // SAFETY: a non-zero size.
+    let z = unsafe { a.alloc_zeroed(l) };
+    assert_eq!(z, p, "not reused");
+    assert_eq!(resident_pages(z, l.size()), 0, "zeroing faulted pages in");
+    // SAFETY: `z` holds `l.size()` bytes; both blocks are freed once.
+    unsafe {
+        assert!(filled_with(z, l.size(), 0), "old data in a zeroed block");
+        a.dealloc(z, l);
+        a.dealloc(n, neighbour());
+    }
+    // A block that only partly covers the swept chunk, at an offset: zeroed all the same.
+    let (p, usable, n) = block_beside_a_neighbour(&a, l);
+    // SAFETY: from `a.alloc(l)`, freed once.
+    unsafe { a.dealloc(p, l) };
+    a.release_free_memory();
+    let part = Layout::from_size_align(usable / 2 + 100, 64).unwrap();
+    // SAFETY: non-zero sizes.
+    let (z, rest) = unsafe { (a.alloc_zeroed(part), a.alloc_zeroed(part)) };
+    assert!(!z.is_null() && !rest.is_null());
+    // SAFETY: each holds `part.size()` bytes; every block is freed once.
+    unsafe {
+        assert!(filled_with(z, part.size(), 0), "old data in a zeroed block");
+        assert!(
+            filled_with(rest, part.size(), 0),
+            "old data in a zeroed block"
+        );
+        a.dealloc(z, part);
+        a.dealloc(rest, part);
+        a.dealloc(n, neighbour());
+    }
+    assert_eq!(a.check(), Ok(()));
+}
+
 /// With much memory in use, interior frees do not start a sweep after 16 thresholds: the
 /// interval grows with the bytes in use. (The factor, eight, is not pinned here: reaching it
 /// with interior frees needs more freed than kept.)
