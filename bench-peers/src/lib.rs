@@ -41,6 +41,7 @@ pub const WORKLOADS: &[(&str, &str)] = &[
     ("bufw", "ns/step"),
     ("zero", "ns/KiB"),
     ("zerol", "ns/KiB"),
+    ("zeros", "ns/KiB"),
 ];
 
 struct Rng(u64);
@@ -158,8 +159,8 @@ fn churn<const EVERY_PAGE: bool>(
 }
 
 /// `vec![0u8; n]` (`alloc_zeroed`) for `steps` log-uniform sizes in `lo..=hi`, each replacing one
-/// of 8 live buffers at random, with one byte written per 4 KiB page: ns per KiB allocated.
-fn zeroed(steps: usize, lo: usize, hi: usize) -> f64 {
+/// of 8 live buffers at random, with one byte written per `stride` bytes: ns per KiB allocated.
+fn zeroed(steps: usize, lo: usize, hi: usize, stride: usize) -> f64 {
     let mut rng = Rng(21);
     let mut live: Vec<Vec<u8>> = (0..8).map(|_| Vec::new()).collect();
     let mut bytes = 0usize;
@@ -168,7 +169,7 @@ fn zeroed(steps: usize, lo: usize, hi: usize) -> f64 {
         let n = rng.log_size(lo, hi);
         bytes += n;
         let mut v = vec![0u8; n];
-        for off in (0..n).step_by(4096) {
+        for off in (0..n).step_by(stride) {
             v[off] = off as u8 | 1;
         }
         let i = (rng.next() % 8) as usize;
@@ -328,8 +329,10 @@ pub fn main() {
         // A few I/O buffers of 16 KiB..1 MiB (8 live), every page written.
         "bufw" => churn::<true>(4, 8, 16 << 10, 1 << 20, 100_000),
         // `vec![0u8; n]`, 8 live, a byte written per page: n 4 KiB..1 MiB, then 1..16 MiB.
-        "zero" => zeroed(100_000, 4 << 10, 1 << 20),
-        "zerol" => zeroed(1_000, 1 << 20, 16 << 20),
+        "zero" => zeroed(100_000, 4 << 10, 1 << 20, 4096),
+        "zerol" => zeroed(1_000, 1 << 20, 16 << 20, 4096),
+        // The same with a byte written per 64 pages (a sparse table).
+        "zeros" => zeroed(1_000, 1 << 20, 16 << 20, 64 << 12),
         other => panic!("unknown workload {other}"),
     };
     println!("{name} {value:.3} {}", peak_rss_kib());

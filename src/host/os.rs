@@ -263,6 +263,46 @@ pub(crate) unsafe fn discard(ptr: usize, size: usize) -> bool {
     }
 }
 
+/// Whether at least half of the `page`-sized pages of `ptr..ptr + size` are resident (`mincore`);
+/// `false` if the kernel cannot tell. Allocates nothing (a 1 KiB stack buffer, 1,024 pages per
+/// call).
+///
+/// # Safety
+/// The range is page-aligned and inside a mapping made by [`reserve_uncommitted`].
+pub(crate) unsafe fn mostly_resident(ptr: usize, size: usize, page: usize) -> bool {
+    // Miri implements no `mincore`: the caller writes resident memory, the one way Miri sees.
+    #[cfg(miri)]
+    {
+        let _ = (ptr, size, page);
+        true
+    }
+    #[cfg(not(miri))]
+    {
+        const STEP: usize = 1024;
+        let mut v = [0u8; STEP];
+        let pages = size / page;
+        let (mut at, mut resident) = (0, 0);
+        while at < pages {
+            let n = (pages - at).min(STEP);
+            // SAFETY: the range lies in our mapping (the caller's promise); `v` holds `n` bytes,
+            // one per page asked about.
+            let rc = unsafe {
+                libc::mincore(
+                    (ptr + at * page) as *mut libc::c_void,
+                    n * page,
+                    v.as_mut_ptr().cast(),
+                )
+            };
+            if rc != 0 {
+                return false;
+            }
+            resident += v[..n].iter().filter(|&&b| b & 1 != 0).count();
+            at += n;
+        }
+        2 * resident >= pages
+    }
+}
+
 /// Makes `ptr..ptr + size` read as zero: returns its pages to the kernel, or, where the kernel
 /// refuses, writes the zeros.
 ///

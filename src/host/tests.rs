@@ -1553,6 +1553,37 @@ fn a_reused_block_below_64_mib_is_zeroed_by_writing_it() {
     assert_eq!(a.check(), Ok(()));
 }
 
+/// A reused block most of whose pages are not resident (a sparse buffer) is zeroed by giving its
+/// pages back, not by writing them: writing would fault every page in.
+#[test]
+#[cfg_attr(miri, ignore = "Miri has no mincore")]
+fn a_sparsely_used_block_is_not_faulted_in_by_zeroing() {
+    let a = big_instance();
+    let l = Layout::from_size_align(8 << 20, 4096).unwrap();
+    // SAFETY: non-zero sizes.
+    let (p, n) = unsafe { (a.alloc(l), a.alloc(neighbour())) };
+    assert!(!p.is_null() && !n.is_null());
+    // One byte per 64 pages.
+    for off in (0..l.size()).step_by(64 << 12) {
+        // SAFETY: inside the block.
+        unsafe { p.add(off).write(0xa5) };
+    }
+    // SAFETY: from `a.alloc(l)`, freed once; then a non-zero size.
+    let z = unsafe {
+        a.dealloc(p, l);
+        a.alloc_zeroed(l)
+    };
+    assert_eq!(z, p, "not reused");
+    assert_eq!(resident_pages(z, l.size()), 0, "zeroing faulted pages in");
+    // SAFETY: `z` holds `l.size()` bytes; both blocks are freed once.
+    unsafe {
+        assert!(filled_with(z, l.size(), 0), "old data in a zeroed block");
+        a.dealloc(z, l);
+        a.dealloc(n, neighbour());
+    }
+    assert_eq!(a.check(), Ok(()));
+}
+
 /// A block carved from a free chunk whose pages a sweep gave back is zeroed by giving them back
 /// again (cheap), not by writing them: that would fault every page in, for a caller that may use
 /// few of them (a sparse table).
