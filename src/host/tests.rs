@@ -1240,6 +1240,10 @@ fn zeroed_blocks_below_the_end_of_touched_memory_are_zero() {
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "writes and checks 64 MiB byte by byte: too slow under Miri"
+)]
 fn a_large_zeroed_block_spares_the_next_blocks_page() {
     let a = big_instance();
     // Zeroed by giving pages back, and no page multiple.
