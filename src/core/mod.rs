@@ -284,10 +284,6 @@ pub struct Allocated {
     /// Its size: the chunk's, at least the request rounded up to the granule (what
     /// [`Bfc::usable_size`] reports).
     pub size: usize,
-    /// Whether it was carved from a free chunk marked clean: one that [`Bfc::sweep_dirty`]'s
-    /// callback said it cleaned (the caller's own meaning, which the engine does not check), or
-    /// one untouched since its region came from the source.
-    pub swept: bool,
 }
 
 /// What a free (or an in-place shrink) did: the bytes released and the free chunk they ended up in.
@@ -1071,11 +1067,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         c.set_in_use(true);
         let (ptr, size) = (c.ptr(), c.size());
         self.note_handed_out(size);
-        Allocated {
-            ptr,
-            size,
-            swept: false,
-        }
+        Allocated { ptr, size }
     }
 
     /// Counts a block of `size` bytes handed out by an allocation.
@@ -1266,7 +1258,6 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         bound: usize,
     ) -> Result<Allocated, Refusal> {
         let c = *self.table.get(h);
-        let swept = c.clean();
         let pad = align_up(c.ptr(), align) - c.ptr();
         // What is left after the padding; the block keeps all of it when the rest is not worth
         // splitting off.
@@ -1304,11 +1295,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         c.set_in_use(true);
         let (ptr, got) = (c.ptr(), c.size());
         self.note_handed_out(got);
-        Ok(Allocated {
-            ptr,
-            size: got,
-            swept,
-        })
+        Ok(Allocated { ptr, size: got })
     }
 
     /// Puts free chunk `h` (out of any bin) back and reports a full chunk table.

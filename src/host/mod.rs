@@ -89,9 +89,9 @@
 //! `alloc_zeroed` writes only the part of a large block below that end; memory above it is still
 //! zero, and stays untouched until the caller writes it (a `vec![0; n]` of fresh memory costs no
 //! page). Below it, that part is written with zeros, unless it is at least 64 MiB and `T`, or it
-//! came from a free chunk whose pages a sweep returned, or it is at least 1 MiB and most of its
-//! pages are not resident (`mincore`): then its whole pages are zeroed by returning them, and only
-//! its partial pages are written.
+//! is at least 1 MiB and most of its pages are not resident (`mincore`; memory a sweep returned,
+//! say): then its whole pages are zeroed by returning them, and only its partial pages are
+//! written.
 //!
 //! # Errors
 //!
@@ -294,9 +294,6 @@ struct Heap {
     cause: FailureCause,
     /// The latest allocation that returned null.
     last_failure: Option<AllocFailure>,
-    /// Whether the latest large block came from a free chunk a sweep gave back (read by
-    /// `alloc_zeroed`, which clears it first).
-    last_swept: bool,
 }
 
 /// An allocation that returned null: what the heap looked for, and why it failed
@@ -419,14 +416,14 @@ const MAX_RETAIN: usize = 64 << 20;
 /// bench-peers `zerol` (`vec![0u8; n]`, n 1..16 MiB, 8 live, a byte written per page) took 440 ns
 /// per KiB with 1.37 million faults when blocks from 1 MiB were given back, 45 ns and 29,000
 /// faults when written (glibc 129 ns). Blocks this large are given back when freed (see
-/// [`MAX_RETAIN`]), so little of them is old data. A block carved from a free chunk whose pages a
-/// sweep gave back is zeroed by giving them back again whatever its size: writing it would fault
-/// every page in (a 32 MiB block: 17 ms and 8,192 resident pages, against microseconds and none).
+/// [`MAX_RETAIN`]), so little of them is old data.
 const ZERO_BY_DISCARD: usize = MAX_RETAIN;
 
 /// Below [`ZERO_BY_DISCARD`], `alloc_zeroed` asks the kernel (`mincore`) whether most of the whole
 /// pages of a dirty part this large are resident: if not (a zeroed buffer used sparsely, freed
-/// and taken again), they are given back instead of written, since writing would fault each in.
+/// and taken again, or free memory whose pages a sweep gave back), they are given back instead
+/// of written, since writing would fault each in (a 32 MiB block from swept memory: 17 ms and
+/// 8,192 resident pages, against microseconds and none).
 /// bench-peers `zeros` (as `zerol`, a byte written per 64 pages): 52 ns/KiB and 110 MiB peak RSS
 /// when written, 10 ns and 5 MiB given back (jemalloc: 7 ns, 5 MiB). Smaller parts are written:
 /// from 64 KiB on, the question cost `zero` (4 KiB..1 MiB, dense) 30% of its time.
@@ -1030,7 +1027,6 @@ impl Heap {
                 addr_of_mut!((*heap).page).write(page);
                 addr_of_mut!((*heap).cause).write(FailureCause::ArenaFull);
                 addr_of_mut!((*heap).last_failure).write(None);
-                addr_of_mut!((*heap).last_swept).write(false);
             }
             // Every field is written above: this pattern names them all, so a new field fails to
             // compile here until it is written too.
@@ -1059,7 +1055,6 @@ impl Heap {
                     page: _,
                     cause: _,
                     last_failure: _,
-                    last_swept: _,
                 } = h;
             };
             Ok::<(), &'static str>(())
@@ -1170,7 +1165,6 @@ impl Heap {
         }
         match found {
             Some(b) => {
-                self.last_swept = b.swept;
                 // All of the block: its caller may write up to `usable_size`.
                 self.note_allocated(b.ptr, b.size);
                 self.note_peak(b.size);
@@ -1750,14 +1744,9 @@ unsafe impl GlobalAlloc for GlobalBfc {
         }
         // `fresh`: the heap's end of touched memory before this allocation. Nothing was ever
         // written at or above it (or its pages were returned), so that part of the block is zero.
-        // `swept`: the block came from a free chunk whose pages a sweep gave back: they read as zero
-        // (but for the chunk's partial end pages), so giving them back again costs little, and
-        // writing them would fault every page in.
-        let Some((p, page, fresh, swept)) = self.with_heap(|h| {
+        let Some((p, page, fresh)) = self.with_heap(|h| {
             let fresh = h.brk;
-            h.last_swept = false;
-            let p = h.allocate(layout.size(), layout.align());
-            (p, h.page, fresh, h.last_swept)
+            (h.allocate(layout.size(), layout.align()), h.page, fresh)
         }) else {
             return ptr::null_mut();
         };
@@ -1775,12 +1764,12 @@ unsafe impl GlobalAlloc for GlobalBfc {
             unsafe { os::mostly_resident(lo, hi - lo, page) }
         };
         if hi > lo
-            && (swept
-                || dirty >= ZERO_BY_DISCARD.max(self.config.release_threshold)
+            && (dirty >= ZERO_BY_DISCARD.max(self.config.release_threshold)
                 || (hi - lo >= ZERO_PROBE_MIN && !mostly_resident()))
         {
-            // Huge, given back before, or mostly not resident: zero the whole pages by giving them
-            // back (they fault in as zero pages), and write only the partial pages at the ends.
+            // Huge, or mostly not resident (a sparse buffer, or memory a sweep gave back): zero the
+            // whole pages by giving them back (they fault in as zero pages), and write only the
+            // partial pages at the ends.
             // SAFETY: `lo..hi` is page-aligned inside the block we own; `p..lo` and `hi..p + dirty`
             // too.
             unsafe {

@@ -1529,32 +1529,45 @@ fn blocks_below_the_threshold_raise_the_retained_amount() {
 #[cfg_attr(miri, ignore = "Miri has no mincore")]
 fn a_reused_block_below_64_mib_is_zeroed_by_writing_it() {
     let a = big_instance();
-    // Resident pages of a dirty block (a guard after it, so that it is not the free top) taken
-    // again through `alloc_zeroed`, counted before anything reads it (a read maps zero pages).
-    let resident_after_zeroing = |l: Layout| {
-        let (p, _, n) = block_beside_a_neighbour(&a, l);
-        // SAFETY: from `a.alloc(l)`, freed once; then a non-zero size.
-        let z = unsafe {
-            a.dealloc(p, l);
-            a.alloc_zeroed(l)
-        };
-        assert_eq!(z, p, "not reused");
-        let resident = resident_pages(z, l.size());
-        // SAFETY: `z` holds `l.size()` bytes; both blocks are freed once.
-        unsafe {
-            assert!(filled_with(z, l.size(), 0), "old data in a zeroed block");
-            a.dealloc(z, l);
-            a.dealloc(n, neighbour());
-        }
-        resident
-    };
     let l = Layout::from_size_align(8 << 20, 4096).unwrap();
-    assert_eq!(resident_after_zeroing(l), l.size() / 4096);
+    let (p, _, n) = block_beside_a_neighbour(&a, l);
+    assert_eq!(resident_after_zeroing(&a, l, p, n, || {}), l.size() / 4096);
     // From 64 MiB on, the pages go back instead (a block that large already gave its pages back
     // when it was freed: writing it would fault every page in).
     let huge = Layout::from_size_align(ZERO_BY_DISCARD, 4096).unwrap();
-    assert_eq!(resident_after_zeroing(huge), 0);
+    let (p, _, n) = block_beside_a_neighbour(&a, huge);
+    assert_eq!(resident_after_zeroing(&a, huge, p, n, || {}), 0);
     assert_eq!(a.check(), Ok(()));
+}
+
+/// Frees block `p` of `layout` (with the [`neighbour`] `n` after it, so that it is not the free
+/// top), runs `between`, takes `layout` again through `alloc_zeroed` (asserted to be the same
+/// block) and returns its resident pages, counted before anything reads it (a read maps zero
+/// pages); then asserts that it reads zero, and frees it and `n`.
+fn resident_after_zeroing(
+    a: &GlobalBfc,
+    layout: Layout,
+    p: *mut u8,
+    n: *mut u8,
+    between: impl FnOnce(),
+) -> usize {
+    // SAFETY: `p` came from `a.alloc(layout)` and is freed once.
+    unsafe { a.dealloc(p, layout) };
+    between();
+    // SAFETY: a non-zero size.
+    let z = unsafe { a.alloc_zeroed(layout) };
+    assert_eq!(z, p, "not reused");
+    let resident = resident_pages(z, layout.size());
+    // SAFETY: `z` holds `layout.size()` bytes; `z` and `n` are freed once.
+    unsafe {
+        assert!(
+            filled_with(z, layout.size(), 0),
+            "old data in a zeroed block"
+        );
+        a.dealloc(z, layout);
+        a.dealloc(n, neighbour());
+    }
+    resident
 }
 
 /// A reused block most of whose pages are not resident (a sparse buffer) is zeroed by giving its
@@ -1572,45 +1585,32 @@ fn a_sparsely_used_block_is_not_faulted_in_by_zeroing() {
         // SAFETY: inside the block.
         unsafe { p.add(off).write(0xa5) };
     }
-    // SAFETY: from `a.alloc(l)`, freed once; then a non-zero size.
-    let z = unsafe {
-        a.dealloc(p, l);
-        a.alloc_zeroed(l)
-    };
-    assert_eq!(z, p, "not reused");
-    assert_eq!(resident_pages(z, l.size()), 0, "zeroing faulted pages in");
-    // SAFETY: `z` holds `l.size()` bytes; both blocks are freed once.
-    unsafe {
-        assert!(filled_with(z, l.size(), 0), "old data in a zeroed block");
-        a.dealloc(z, l);
-        a.dealloc(n, neighbour());
-    }
+    assert_eq!(
+        resident_after_zeroing(&a, l, p, n, || {}),
+        0,
+        "zeroing faulted pages in"
+    );
     assert_eq!(a.check(), Ok(()));
 }
 
-/// A block carved from a free chunk whose pages a sweep gave back is zeroed by giving them back
-/// again (cheap), not by writing them: that would fault every page in, for a caller that may use
-/// few of them (a sparse table).
+/// A block carved from a free chunk whose pages a sweep gave back (not resident) is zeroed by
+/// giving them back again (cheap), not by writing them: that would fault every page in, for a
+/// caller that may use few of them (a sparse table).
 #[test]
 #[cfg_attr(miri, ignore = "Miri has no mincore")]
 fn a_block_from_a_swept_chunk_is_not_faulted_in_by_zeroing() {
     let a = big_instance();
     let l = Layout::from_size_align(32 << 20, 4096).unwrap();
     let (p, _, n) = block_beside_a_neighbour(&a, l);
-    // SAFETY: from `a.alloc(l)`, freed once.
-    unsafe { a.dealloc(p, l) };
-    assert!(a.release_free_memory() >= l.size());
-    assert_eq!(resident_pages(p, l.size()), 0);
-    // SAFETY: a non-zero size.
-    let z = unsafe { a.alloc_zeroed(l) };
-    assert_eq!(z, p, "not reused");
-    assert_eq!(resident_pages(z, l.size()), 0, "zeroing faulted pages in");
-    // SAFETY: `z` holds `l.size()` bytes; both blocks are freed once.
-    unsafe {
-        assert!(filled_with(z, l.size(), 0), "old data in a zeroed block");
-        a.dealloc(z, l);
-        a.dealloc(n, neighbour());
-    }
+    let swept = || {
+        assert!(a.release_free_memory() >= l.size());
+        assert_eq!(resident_pages(p, l.size()), 0);
+    };
+    assert_eq!(
+        resident_after_zeroing(&a, l, p, n, swept),
+        0,
+        "zeroing faulted pages in"
+    );
     // A block that only partly covers the swept chunk, at an offset: zeroed all the same.
     let (p, usable, n) = block_beside_a_neighbour(&a, l);
     // SAFETY: from `a.alloc(l)`, freed once.
