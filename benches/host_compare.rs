@@ -38,9 +38,9 @@ fn churn(a: &dyn GlobalAlloc, steps: usize) -> f64 {
     churn_sizes(a, steps, 8, 4096)
 }
 
-/// The same churn over sizes 4 KiB..64 KiB: every request goes to the BFC engine (no slab layer).
+/// The same churn over sizes 16 KiB..64 KiB: every request goes to the BFC engine (no slab layer).
 fn churn_core(a: &dyn GlobalAlloc, steps: usize) -> f64 {
-    churn_sizes(a, steps, 4097, 65536)
+    churn_sizes(a, steps, 16385, 65536)
 }
 
 /// The churn in two threads at once, each with its own live set: ns per step of one thread.
@@ -267,7 +267,7 @@ fn main() {
             churn_two_threads,
             50_000 * scale,
         ),
-        ("churn 4K..64K core", "ns/step", churn_core, 20_000 * scale),
+        ("churn 16K..64K core", "ns/step", churn_core, 20_000 * scale),
         ("32-byte pairs", "ns/pair", pairs, 500_000 * scale),
         (
             "64B-aligned pairs",

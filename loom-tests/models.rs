@@ -70,6 +70,9 @@ impl Leaked {
     }
 }
 
+/// A block size the engine serves (above the slab layer's 16 KiB).
+const ENGINE: usize = 20 << 10;
+
 /// Allocates `size` bytes, fills them with `tag`, and returns the block.
 fn alloc_tagged(a: &GlobalBfc, size: usize, tag: u8) -> (usize, Layout) {
     let l = Layout::from_size_align(size, 16).unwrap();
@@ -117,7 +120,7 @@ fn concurrent_alloc_free_never_overlaps() {
                 let a = a.clone();
                 thread::spawn(move || {
                     let small = alloc_tagged(&a, 48, t + 1);
-                    let large = alloc_tagged(&a, 8192, t + 11);
+                    let large = alloc_tagged(&a, ENGINE, t + 11);
                     assert_tagged(small, t + 1);
                     free(&a, small);
                     assert_tagged(large, t + 11);
@@ -170,7 +173,7 @@ fn stats_stay_consistent_with_live_blocks() {
             let a = a.clone();
             thread::spawn(move || {
                 let first = alloc_tagged(&a, 64, 1);
-                let second = alloc_tagged(&a, 8192, 2);
+                let second = alloc_tagged(&a, ENGINE, 2);
                 bfc_alloc::host::loom_exit_thread();
                 (first, second)
             })
@@ -359,7 +362,7 @@ fn fork_prepare_races_init_use_drop_and_exit() {
                 let x = alloc_tagged(&b, 32, 2);
                 free_all_and_check(&b, [x]);
                 drop(b);
-                let big = alloc_tagged(&a, 8 << 10, 3);
+                let big = alloc_tagged(&a, ENGINE, 3);
                 let small = alloc_tagged(&a, 32, 4);
                 assert_tagged(big, 3);
                 free(&a, small);
@@ -427,7 +430,7 @@ fn fork_without_the_bindings_lock_is_caught() {
 fn two_forks(nested: bool) {
     loom::model(move || {
         let a = Arc::new(allocator());
-        let first = alloc_tagged(&a, 8 << 10, 1);
+        let first = alloc_tagged(&a, ENGINE, 1);
         let forkers: Vec<_> = [1, 2]
             .map(|me| {
                 let a = a.clone();
@@ -440,7 +443,7 @@ fn two_forks(nested: bool) {
                     }
                     assert_ne!(a.loom_fork_child_view(me), 0);
                     bfc_alloc::host::loom_fork_handler_parent(me);
-                    let big = alloc_tagged(&a, 8 << 10, 1 + me as u8);
+                    let big = alloc_tagged(&a, ENGINE, 1 + me as u8);
                     free(&a, big);
                 })
             })

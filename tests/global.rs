@@ -118,21 +118,22 @@ fn realloc_patterns_preserve_contents() {
         }
         let small = Layout::from_size_align(16, 16).unwrap();
         let blocker = local.alloc(small);
-        let p2 = local.realloc(p, l, 10_000); // must move: the neighbour is in use
+        // (Engine blocks from here: above the 16 KiB slab limit.)
+        let p2 = local.realloc(p, l, 40_000); // must move: the neighbour is in use
         assert!((0..100).all(|i| *p2.add(i) == i as u8));
-        let p3 = local.realloc(p2, Layout::from_size_align(10_000, 16).unwrap(), 5000);
+        let p3 = local.realloc(p2, Layout::from_size_align(40_000, 16).unwrap(), 20_000);
         assert_eq!(p3, p2, "shrink stays in place");
         assert!((0..100).all(|i| *p3.add(i) == i as u8));
-        let p4 = local.realloc(p3, Layout::from_size_align(5000, 16).unwrap(), 9000);
+        let p4 = local.realloc(p3, Layout::from_size_align(20_000, 16).unwrap(), 36_000);
         assert_eq!(p4, p3, "grows in place into the tail freed by the shrink");
         assert!((0..100).all(|i| *p4.add(i) == i as u8));
-        local.dealloc(p4, Layout::from_size_align(9000, 16).unwrap());
+        local.dealloc(p4, Layout::from_size_align(36_000, 16).unwrap());
         local.dealloc(blocker, small);
         local.check().unwrap();
     }
     // SAFETY: as above.
     unsafe {
-        let l = Layout::from_size_align(9000, 16).unwrap();
+        let l = Layout::from_size_align(36_000, 16).unwrap();
         let p4 = alloc(l);
         for i in 0..100 {
             *p4.add(i) = i as u8;
@@ -448,7 +449,8 @@ fn blocks_of_64_kib_or_more_start_at_64_kib_boundaries() {
             .take(60)
             .enumerate()
         {
-            let medium = Layout::from_size_align(4100 + i * 48, 8).unwrap();
+            // (Engine blocks: above the 16 KiB slab limit.)
+            let medium = Layout::from_size_align((16 << 10) + 4 + i * 48, 8).unwrap();
             let m = local.alloc(medium);
             assert!(!m.is_null());
             let l = Layout::from_size_align(size, 8).unwrap();

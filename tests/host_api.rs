@@ -48,7 +48,7 @@ fn allocator_zero_sizes_and_shrink_to_zero() {
             (0, 4096),
             (0, 1 << 20),
             (16, 8),
-            (5000, 8),
+            (20_000, 8),
             (1 << 20, 64),
         ] {
             let l = Layout::from_size_align(size, align).unwrap();
@@ -83,8 +83,8 @@ fn allocator_grow_shrink_changed_alignment_keeps_contents() {
     for &(s0, a0, s1, a1) in &[
         (24usize, 8usize, 100usize, 4096usize),
         (100, 4096, 24, 8),
-        (5000, 8, 6000, 16),
-        (6000, 16, 8, 8),
+        (20_000, 8, 24_000, 16),
+        (24_000, 16, 8, 8),
         (8, 8, 3 << 20, 1 << 21),
         (3 << 20, 1 << 21, 8, 1),
     ] {
@@ -580,7 +580,8 @@ fn a_realloc_that_succeeds_notes_no_failure() {
         assert!(s as usize >= p as usize + (1 << 20));
         // The rest of the arena, in blocks of decreasing size.
         let mut fill = Vec::new();
-        for size in [1 << 20, 64 << 10, 4112] {
+        // (The smallest engine block: 16 KiB is the slab limit.)
+        for size in [1 << 20, 64 << 10, (16 << 10) + 16] {
             let l = Layout::from_size_align(size, 8).unwrap();
             fill.extend(until_null(&a, l).into_iter().map(|q| (q, l)));
         }

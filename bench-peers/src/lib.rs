@@ -16,6 +16,7 @@
 //! - `achurn2`: `churn2` with every block aligned to 64 bytes (cache-line padded values).
 //! - `xfree`: one thread allocates (8..=512 bytes) and sends batches of 256 to one that frees them;
 //!   wall time per object.
+//! - `mid`: the churn with sizes log-uniform in 2..=16 KiB (10,000 live blocks, 1,000,000 steps).
 //! - `json`: `serde_json` parse of an 11.5 MB document into a `Value` and back to a `String`.
 //!
 //! Every block gets its first byte written; the PRNG is a fixed-seed splitmix64.
@@ -42,6 +43,7 @@ pub const WORKLOADS: &[(&str, &str)] = &[
     ("zero", "ns/KiB"),
     ("zerol", "ns/KiB"),
     ("zeros", "ns/KiB"),
+    ("mid", "ns/step"),
 ];
 
 struct Rng(u64);
@@ -333,6 +335,8 @@ pub fn main() {
         "zerol" => zeroed(1_000, 1 << 20, 16 << 20, 4096),
         // The same with a byte written per 64 pages (a sparse table).
         "zeros" => zeroed(1_000, 1 << 20, 16 << 20, 64 << 12),
+        // The churn of blocks just above the small ones: 2..16 KiB.
+        "mid" => churn::<false>(5, 10_000, 2 << 10, 16 << 10, 1_000_000),
         other => panic!("unknown workload {other}"),
     };
     println!("{name} {value:.3} {}", peak_rss_kib());

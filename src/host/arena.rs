@@ -277,7 +277,7 @@ unsafe impl MemorySource for HostSource {
 /// Arena bytes per chunk record at most reserved: the chunk table holds
 /// `min(chunk_capacity, arena_size / ARENA_BYTES_PER_RECORD)` records, so a smaller arena (one
 /// sized down under an address-space limit) does not reserve the default table's 1 GiB. Engine
-/// blocks are larger than 4 KiB or aligned to more than 4 KiB (so they have a free chunk of
+/// blocks are larger than 16 KiB or aligned to more than 4 KiB (so they have a free chunk of
 /// padding, or a neighbour, at least that large), spans are 64 KiB, two free chunks are never
 /// neighbours, and the engine keeps no quick lists: a table of one record per 256 bytes runs out
 /// long after the arena does. (When it does run out, allocations return null.)

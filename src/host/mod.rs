@@ -13,7 +13,7 @@
 //! Reserved memory is inaccessible (`PROT_NONE`) until the heap reaches it: the arena is committed
 //! (made readable and writable) from its start in 2 MiB steps as blocks are handed out higher up,
 //! and the pointer map, span table and chunk table in step with what they describe (the metadata
-//! sized by the arena alone, about 4.7 MiB with those tables' first steps for a 64 GiB arena, is
+//! sized by the arena alone, about 5.7 MiB with those tables' first steps for a 64 GiB arena, is
 //! committed at initialisation). So strict overcommit (`vm.overcommit_memory = 2`) charges, and
 //! `RLIMIT_DATA` counts, the memory the heap has reached, not the 64 GiB it reserved; when the
 //! kernel refuses a commit, the allocation returns null. When the free top of the arena goes back
@@ -25,7 +25,7 @@
 //!
 //! The whole arena is the engine's single region, so any two neighbouring free blocks coalesce.
 //!
-//! Requests of at most 4 KiB (alignment at most 4 KiB) are served by a slab layer on top of the
+//! Requests of at most 16 KiB (alignment at most 4 KiB) are served by a slab layer on top of the
 //! engine (see `small.rs`): 64 KiB spans taken from the engine, objects tracked by out-of-band
 //! bitmaps, so a small allocation or free is a bit operation and a double free is still detected.
 //! A request aligned to more than 16 bytes takes the smallest class whose size is a multiple of its
@@ -41,10 +41,10 @@
 //!
 //! In front of the slab layer each thread keeps bounded per-class stacks of free small blocks, so most
 //! small allocations and frees take no lock (see `tcache.rs` for the protocol):
-//! - at most [`MAX_CACHED_BYTES`] (575 KiB) per thread; a refill or an overflow moves half a stack;
+//! - at most [`MAX_CACHED_BYTES`] (1,199 KiB) per thread; a refill or an overflow moves half a stack;
 //! - a block freed on another thread joins that thread's cache; a full cache gives half a stack to
 //!   a per-class transfer cache in the heap, from which the refills of that class take their batches
-//!   before the slab layer (at most two stacks per class, about 1.1 MiB in all);
+//!   before the slab layer (at most two stacks per class, about 2.3 MiB in all);
 //! - every 256 refills and flushes of a thread's cache, each class that had none of them gives half
 //!   its blocks back to the slab layer, so a class the thread stopped using drains;
 //! - a thread's cache is flushed when the thread exits, on demand by
@@ -370,7 +370,7 @@ static NEXT_ID: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsiz
 
 /// Arena bytes per pointer-map entry (the engine's `map_block_granules` times the granule, which is
 /// at most 4 KiB). The engine's default, 32 granules (512 bytes), suits chunks of a few granules.
-/// Here every engine block but an over-aligned one is larger than 4 KiB (the slab layer serves the
+/// Here every engine block but an over-aligned one is larger than 16 KiB (the slab layer serves the
 /// rest), so a 4 KiB map block holds at most three chunk starts for a lookup to walk. With the
 /// default 16-byte granule the map is an eighth of the size (with a granule above 128 bytes it is
 /// larger than 32 granules per entry would make it, and at most 0.1% of the arena). The map is
@@ -981,8 +981,8 @@ impl Heap {
             memory_limit: arena_size,
             initial_region_size: arena_size,
             max_internal_fragmentation: config.granule,
-            // No quick lists: the slab layer serves every request of up to 4 KiB aligned to at most
-            // 4 KiB, so the engine's blocks of 1 KiB or less are aligned to more than 4 KiB, which
+            // No quick lists: the slab layer serves every request of up to 16 KiB aligned to at
+            // most 4 KiB, so the engine's blocks of 1 KiB or less are aligned to more than 4 KiB, which
             // a quick list never serves (it holds exact, granule-aligned sizes). It would only keep
             // such blocks from coalescing with their free neighbours.
             quick_max_size: 0,

@@ -1,8 +1,9 @@
 //! Small objects: size-class slabs carved from BFC chunks.
 //!
-//! Requests of at most [`SMALL_MAX`] (4 KiB) bytes with alignment at most 4 KiB are served from
-//! *spans*: 64 KiB, 64 KiB-aligned chunks taken from the BFC engine, each cut into equal objects of
-//! one size class (an aligned request takes a class whose size is a multiple of its alignment).
+//! Requests of at most [`SMALL_MAX`] (16 KiB) bytes with alignment at most [`SMALL_ALIGN`] (4 KiB)
+//! are served from *spans*: 64 KiB, 64 KiB-aligned chunks taken from the BFC engine, each cut into
+//! equal objects of one size class (an aligned request takes a class whose size is a multiple of its
+//! alignment).
 //! Everything about a span lives outside it: in the span table (one [`Span`] per 64 KiB of arena)
 //! its free count and a bitmap with one bit per object (set = allocated), and in the span class
 //! table (one byte per 64 KiB) its class. So:
@@ -22,7 +23,7 @@
 //!
 //! A span whose objects are all free goes back to the engine (and so can coalesce), unless it is the
 //! class's current span. Memory held this way is bounded by the live objects' spans plus one current
-//! span per class (28 x 64 KiB); an allocation that would fail otherwise takes the empty current spans
+//! span per class (36 x 64 KiB); an allocation that would fail otherwise takes the empty current spans
 //! back first ([`SmallHeap::take_empty_current`]).
 //!
 //! Invariants: a span of class `c` is in `sets[c]` iff it has a free object, and `current[c]` is the
@@ -32,7 +33,9 @@
 use core::sync::atomic::{AtomicU8, Ordering::Relaxed};
 
 /// Largest small request.
-pub(crate) const SMALL_MAX: usize = 4096;
+pub(crate) const SMALL_MAX: usize = 16 << 10;
+/// Largest alignment of a small request.
+pub(crate) const SMALL_ALIGN: usize = 4096;
 /// Span size (and alignment).
 pub(crate) const SPAN_SHIFT: u32 = 16;
 pub(crate) const SPAN: usize = 1 << SPAN_SHIFT;
@@ -40,9 +43,15 @@ pub(crate) const SPAN: usize = 1 << SPAN_SHIFT;
 const WORDS: usize = SPAN / 16 / 64;
 
 /// The class sizes: steps of 16 up to 128, then four classes per power of two (waste under 25%).
-pub(crate) const CLASS_SIZES: [u32; 28] = [
+/// A span holds 4 to 12 objects of the classes above 4 KiB; the tail it cannot fill is at most
+/// 8 KiB (14 KiB objects: four, 56 KiB). Up to 16 KiB, rather than 4 KiB: a churn of blocks of
+/// 2..16 KiB took 170 ns a step in the engine (its locked best fit and coalescing, over chunk
+/// records spread across the heap) and 37 ns in slabs, with 45 MB peak RSS instead of 77
+/// (bench-peers `mid`).
+pub(crate) const CLASS_SIZES: [u32; 36] = [
     16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
-    1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096,
+    1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192, 10240, 12288, 14336,
+    16384,
 ];
 pub(crate) const NUM_CLASSES: usize = CLASS_SIZES.len();
 
@@ -74,7 +83,7 @@ const RECIP: [u64; NUM_CLASSES] = {
 };
 
 /// Rows of [`ALIGNED`]: alignments 32, 64, ..., [`SMALL_MAX`] (a power of two).
-const ALIGN_ROWS: usize = (SMALL_MAX.trailing_zeros() - 4) as usize;
+const ALIGN_ROWS: usize = (SMALL_ALIGN.trailing_zeros() - 4) as usize;
 static_assertions::const_assert!(ALIGN_ROWS.is_power_of_two());
 
 /// `ALIGNED[k][c]` is the size in 16-byte units of the smallest class at or above `c` whose size is
@@ -116,7 +125,7 @@ pub(crate) fn class_for(size: usize, align: usize) -> Option<usize> {
     // (`(size + 15) >> 4` rather than `div_ceil`, whose bound the compiler loses here.)
     let units = if align <= 16 {
         (size + 15) >> 4
-    } else if align <= SMALL_MAX {
+    } else if align <= SMALL_ALIGN {
         cold_path();
         aligned_units(size, align)
     } else {
@@ -227,7 +236,7 @@ impl Span {
 /// non-zero.
 ///
 /// The classes' words are interleaved (word `j` of a level holds class `c` at `j * NUM_CLASSES + c`),
-/// so a heap whose spans lie in the first 72 MiB of the arena touches one page of level 0.
+/// so a heap whose spans lie in the first 56 MiB of the arena touches one page of level 0.
 pub(crate) struct SpanSets {
     words: &'static mut [u64],
     /// Offset (in words, before interleaving) of each level; `levels` levels are in use.
@@ -948,12 +957,12 @@ mod tests {
     }
 
     /// An aligned request takes the smallest class that holds it and whose size is a multiple of
-    /// the alignment (so every object of the class is aligned); beyond 4 KiB of alignment, or of
-    /// size, it goes to the engine.
+    /// the alignment (so every object of the class is aligned); beyond 4 KiB of alignment, or
+    /// 16 KiB of size, it goes to the engine.
     #[test]
     fn aligned_requests_take_the_smallest_class_of_aligned_objects() {
         let mut align = 32;
-        while align <= SMALL_MAX {
+        while align <= SMALL_ALIGN {
             for size in 1..=SMALL_MAX {
                 let c = class_for(size, align).unwrap();
                 let fits = |d: usize| {
@@ -977,8 +986,12 @@ mod tests {
             align *= 2;
         }
         assert_eq!(class_for(100, 64), class_for(128, 8));
-        assert_eq!(class_for(1, SMALL_MAX), class_for(SMALL_MAX, 8));
-        assert_eq!(class_for(8, 2 * SMALL_MAX), None);
+        assert_eq!(class_for(1, SMALL_ALIGN), class_for(SMALL_ALIGN, 8));
+        // Above 4 KiB of alignment every size goes to the engine; a page-aligned 4097 bytes takes
+        // the 8 KiB class.
+        assert_eq!(class_for(8, 2 * SMALL_ALIGN), None);
+        assert_eq!(class_for(SMALL_MAX, 2 * SMALL_ALIGN), None);
+        assert_eq!(class_for(4097, SMALL_ALIGN), class_for(8192, 8));
         // At most 16 bytes of alignment changes nothing.
         assert!((1..=SMALL_MAX).all(|s| class_for(s, 16) == class_for(s, 1)));
     }

@@ -25,9 +25,10 @@
 //! slab layer, not the cache, remembers which span a block belongs to.
 //!
 //! **Bounds.** A class's stack holds at most [`bin_capacity`] blocks: about 16 KiB of blocks, at least
-//! 16 and at most 128 of them (128 for the classes up to 128 B, 2 to 16 KiB; 16 above 1 KiB, 20 to
-//! 64 KiB), so one thread caches at most [`MAX_CACHED_BYTES`] (575 KiB). The stacks
-//! take 14 KiB of thread-local storage per thread.
+//! 16 (8 for the classes above 4 KiB) and at most 128 of them (128 for the classes up to 128 B, 2 to
+//! 16 KiB; 16 from 1 KiB to 4 KiB, 20 to 64 KiB; 8 above, 40 to 128 KiB), so one thread caches at
+//! most [`MAX_CACHED_BYTES`] (1,199 KiB). The stacks take 15 KiB of thread-local storage per
+//! thread.
 //!
 //! **Double frees.** A free of the block on top of its stack (a block freed twice in a row on one
 //! thread, with no flush or decay of its class between the two frees) is caught at once. Any other
@@ -80,6 +81,8 @@ const BIN_BYTES: usize = 16 << 10;
 
 /// Fewest blocks one class's stack holds.
 const MIN_BIN: usize = 16;
+/// Fewest blocks the stack of a class above 4 KiB holds.
+const MIN_LARGE_BIN: usize = 8;
 /// Most blocks one class's stack holds.
 #[cfg(not(loom))]
 const MAX_BIN: usize = 128;
@@ -100,8 +103,13 @@ const CAPACITY: [u8; NUM_CLASSES] = {
     let mut c = 0;
     while c < NUM_CLASSES {
         let n = BIN_BYTES / class_size(c);
-        cap[c] = if n < MIN_BIN {
-            MIN_BIN as u8
+        let min = if class_size(c) > 4096 {
+            MIN_LARGE_BIN
+        } else {
+            MIN_BIN
+        };
+        cap[c] = if n < min {
+            min as u8
         } else if n > MAX_BIN {
             MAX_BIN as u8
         } else {
@@ -166,7 +174,7 @@ pub(crate) const fn batch(c: usize) -> usize {
 pub(crate) const DECAY_PERIOD: u32 = 256;
 
 // One bit per class in `ThreadCache::active`.
-static_assertions::const_assert!(NUM_CLASSES <= 32);
+static_assertions::const_assert!(NUM_CLASSES <= 64);
 
 /// One thread's cache. See the module docs.
 pub(crate) struct ThreadCache {
@@ -196,7 +204,7 @@ pub(crate) struct ThreadCache {
     /// Slow-path events in the current decay period (owner thread only).
     events: Cell<u32>,
     /// Bit `c`: class `c` had a slow-path event in the current decay period (owner thread only).
-    active: Cell<u32>,
+    active: Cell<u64>,
 }
 
 impl ThreadCache {
@@ -370,7 +378,7 @@ impl ThreadCache {
     /// Notes a slow-path event (a refill or a flush) of class `c` (owner thread only). At the end
     /// of a decay period, returns the classes that had no such event in it (bit `c` for class
     /// `c`), and starts the next period.
-    pub(crate) fn note_slow(&self, c: usize) -> Option<u32> {
+    pub(crate) fn note_slow(&self, c: usize) -> Option<u64> {
         let active = self.active.get() | 1 << c;
         let events = self.events.get() + 1;
         if events < DECAY_PERIOD {
@@ -380,7 +388,7 @@ impl ThreadCache {
         }
         self.events.set(0);
         self.active.set(0);
-        Some(!active & (u32::MAX >> (32 - NUM_CLASSES)))
+        Some(!active & (u64::MAX >> (64 - NUM_CLASSES)))
     }
 
     /// Forgets every block (their instance is gone) and unbinds.
@@ -594,19 +602,24 @@ mod tests {
     fn capacities_follow_the_documented_bounds() {
         for c in 0..NUM_CLASSES {
             let n = bin_capacity(c);
-            assert!((MIN_BIN..=MAX_BIN).contains(&n), "class {c}: {n}");
-            assert!(n * class_size(c) <= BIN_BYTES.max(MIN_BIN * class_size(c)));
+            let min = if class_size(c) > 4096 {
+                MIN_LARGE_BIN
+            } else {
+                MIN_BIN
+            };
+            assert!((min..=MAX_BIN).contains(&n), "class {c}: {n}");
+            assert!(n * class_size(c) <= BIN_BYTES.max(min * class_size(c)));
             assert!(batch(c) >= 4);
         }
-        // The figure the module docs and the README quote.
-        assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 575);
-        assert_eq!((CACHE_SLOTS * 8).div_ceil(1024), 14);
+        // The figures the module docs and the README quote.
+        assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 1199);
+        assert_eq!((CACHE_SLOTS * 8).div_ceil(1024), 15);
     }
 
     #[test]
     fn a_decay_period_names_the_classes_without_slow_events() {
         let tc = ThreadCache::new();
-        let all = (1u32 << NUM_CLASSES) - 1;
+        let all = (1u64 << NUM_CLASSES) - 1;
         for period in 0..3 {
             // Classes 2 and the last are used, once and twice; the rest idle.
             let last = NUM_CLASSES - 1;

@@ -128,7 +128,7 @@ fn extreme_release_thresholds_work() {
             release_threshold,
             ..HostConfig::DEFAULT
         });
-        let sizes = [5000, 1 << 20, 3 << 20, 70_000, 9 << 20];
+        let sizes = [20_000, 1 << 20, 3 << 20, 70_000, 9 << 20];
         let mut blocks = std::vec::Vec::new();
         for round in 0..4u8 {
             for &size in &sizes {
@@ -392,15 +392,15 @@ fn a_thread_that_reenters_the_heap_lock_aborts() {
 
 /// The pointer map has one entry per 4 KiB of arena (`MAP_BLOCK`); a lookup walks from the first
 /// chunk starting in a block. Here three chunks start in one map block, the most the host makes
-/// (engine blocks aligned to at most 4 KiB are larger than 4 KiB, over-aligned ones start 8 KiB or
-/// more apart, and no two free chunks are neighbours): a 32-byte block aligned to 8 KiB, a block of
-/// 4,112 bytes cut from the rest behind it, then the first block shrunk in place to 16 bytes, which
+/// (engine blocks aligned to at most 4 KiB are larger than the slab limit, 16 KiB, over-aligned ones
+/// start 8 KiB or more apart, and no two free chunks are neighbours): a 32-byte block aligned to
+/// 8 KiB, a block of 16 KiB + 16 bytes cut from the rest behind it, then the first block shrunk in place to 16 bytes, which
 /// leaves a free 16-byte chunk between the two. Each block is found by its own address.
 #[test]
 fn blocks_starting_in_one_map_block_are_each_found() {
     let a = small_instance();
     let tiny = Layout::from_size_align(32, 8192).unwrap();
-    let mid = Layout::from_size_align(4112, 16).unwrap();
+    let mid = Layout::from_size_align(small::SMALL_MAX + 16, 16).unwrap();
     let mut blocks = std::vec::Vec::new();
     for _ in 0..64 {
         // SAFETY: non-zero sizes; every block is freed below with its (last) layout.
@@ -451,19 +451,21 @@ fn the_recorded_end_of_touched_memory_covers_whole_blocks() {
     // A request that is not a multiple of the granule gets a larger block; its caller may write
     // all of it (`usable_size`), so the heap's end of touched memory must cover it.
     let a = small_instance();
-    let layout = Layout::from_size_align(5001, 8).unwrap();
+    // Engine blocks: above the slab limit.
+    let (size, grown) = (small::SMALL_MAX + 905, small::SMALL_MAX + 4905);
+    let layout = Layout::from_size_align(size, 8).unwrap();
     // SAFETY: a non-zero size.
     let p = unsafe { a.alloc(layout) };
     assert!(!p.is_null());
-    assert_eq!(a.usable_size(p), Some(5008));
+    assert_eq!(a.usable_size(p), Some(size + 7));
     assert_eq!(a.check(), Ok(()));
     // SAFETY: `p` came from `a.alloc(layout)`; grows it to a size that is no granule multiple.
-    let q = unsafe { a.realloc(p, layout, 9001) };
+    let q = unsafe { a.realloc(p, layout, grown) };
     assert!(!q.is_null());
-    assert_eq!(a.usable_size(q), Some(9008));
+    assert_eq!(a.usable_size(q), Some(grown + 7));
     assert_eq!(a.check(), Ok(()));
     // SAFETY: `q` came from the realloc above, with the new size.
-    unsafe { a.dealloc(q, Layout::from_size_align(9001, 8).unwrap()) };
+    unsafe { a.dealloc(q, Layout::from_size_align(grown, 8).unwrap()) };
 }
 
 /// How many of the pages of `p..p + len` (page-aligned) are resident.
@@ -889,9 +891,9 @@ unsafe fn filled_with(p: *const u8, len: usize, byte: u8) -> bool {
         .all(|&b| b == byte)
 }
 
-/// The 5000-byte neighbour of [`block_beside_a_neighbour`].
+/// The neighbour of [`block_beside_a_neighbour`]: an engine block (just above the slab limit).
 fn neighbour() -> Layout {
-    Layout::from_size_align(5000, 8).unwrap()
+    Layout::from_size_align(small::SMALL_MAX + 904, 8).unwrap()
 }
 
 /// Allocates a block of `layout` and the [`neighbour`] right after it (asserted); fills the
@@ -1223,7 +1225,8 @@ fn a_block_that_stays_free_goes_back_at_the_second_sweep_when_much_is_in_use() {
 #[test]
 fn zeroed_blocks_below_the_end_of_touched_memory_are_zero() {
     let a = small_instance();
-    let l = Layout::from_size_align(5000, 8).unwrap();
+    // An engine block.
+    let l = Layout::from_size_align(small::SMALL_MAX + 904, 8).unwrap();
     // The end of touched memory in the middle of a page: a reused block up to it.
     let q = dirty_then_zeroed(&a, l, || {});
     // Again with a release between the free and the zeroed allocation: it lowers the end of
@@ -1838,4 +1841,57 @@ fn span_metadata_follows_what_the_heap_reached() {
     );
     // SAFETY: as above.
     unsafe { a.dealloc(p, l) };
+}
+
+/// Requests of up to 16 KiB (aligned to at most 4 KiB) are objects of the slab layer, of their
+/// class's size and in a span of that class; the next byte, or more alignment, gets an engine
+/// block.
+#[test]
+fn blocks_up_to_16_kib_come_from_slabs() {
+    let a = GlobalBfc::with_config(HostConfig {
+        thread_cache: false,
+        ..HostConfig::DEFAULT
+    });
+    let cases = [
+        (4097, 8, Some(5120)),
+        (5000, 16, Some(5120)),
+        (8192, 8, Some(8192)),
+        (9000, 4096, Some(12288)),
+        (12_000, 64, Some(12288)),
+        (14_337, 8, Some(16384)),
+        (small::SMALL_MAX, 8, Some(small::SMALL_MAX)),
+        (small::SMALL_MAX + 1, 8, None),
+        (5000, 8192, None),
+    ];
+    let mut blocks = std::vec::Vec::new();
+    for (size, align, class) in cases {
+        let l = Layout::from_size_align(size, align).unwrap();
+        // SAFETY: a non-zero size.
+        let p = unsafe { a.alloc(l) };
+        assert!(!p.is_null());
+        assert_eq!(p as usize % align, 0);
+        let in_slab = a
+            .with_heap(|h| h.small.class_of_live(p as usize).ok())
+            .unwrap()
+            .expect("a live block");
+        assert_eq!(
+            in_slab.map(small::class_size),
+            class,
+            "{size} B aligned to {align}"
+        );
+        if class.is_none() {
+            // An engine block: the request rounded up to the granule.
+            assert_eq!(a.usable_size(p), Some(size.next_multiple_of(16)));
+        } else {
+            assert_eq!(a.usable_size(p), class);
+        }
+        blocks.push((p, l));
+    }
+    assert_eq!(a.check(), Ok(()));
+    for (p, l) in blocks {
+        // SAFETY: each block came from `a` with `l` and is freed once.
+        unsafe { a.dealloc(p, l) };
+    }
+    assert_eq!(a.stats().bytes_in_use, 0);
+    assert_eq!(a.check(), Ok(()));
 }
