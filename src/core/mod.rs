@@ -1110,9 +1110,13 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     #[inline]
     fn should_split(&self, chunk: usize, want: usize) -> bool {
         let left = chunk - want;
+        let ratio = self.config.split_ratio;
+        // `chunk >= ratio * want` (what `chunk / ratio >= want` says, without a division on the
+        // allocation path; a product that overflows is above any chunk). The waste test first: on
+        // the host it holds whenever the granule test does.
         left >= self.config.granule
-            && ((self.config.split_ratio != 0 && chunk / self.config.split_ratio >= want)
-                || left >= self.config.max_internal_fragmentation)
+            && (left >= self.config.max_internal_fragmentation
+                || (ratio != 0 && want.checked_mul(ratio).is_some_and(|w| chunk >= w)))
     }
 
     /// Finds a free chunk for a request of `rounded` bytes at `align` (`needed` bytes fit at any
