@@ -171,7 +171,8 @@ fn the_cache_is_bounded_and_flushes_on_demand() {
     A.flush_thread_cache();
     let before = A.stats();
     let mut blocks: Vec<(usize, Layout)> = Vec::new();
-    for size in (16..=4096).step_by(16) {
+    // Every class (the slab layer serves up to 16 KiB).
+    for size in (16..=4096).step_by(16).chain((4608..=16384).step_by(512)) {
         let l = Layout::from_size_align(size, 8).unwrap();
         for _ in 0..300 {
             // SAFETY: a valid layout.

@@ -17,7 +17,11 @@
 //! - `xfree`: one thread allocates (8..=512 bytes) and sends batches of 256 to one that frees them;
 //!   wall time per object.
 //! - `mid`: the churn with sizes log-uniform in 2..=16 KiB (10,000 live blocks, 1,000,000 steps).
+//! - `med`: the churn with sizes log-uniform in 16..=64 KiB (1,000 live blocks, 1,000,000 steps).
 //! - `json`: `serde_json` parse of an 11.5 MB document into a `Value` and back to a `String`.
+//! - `bufw`: 8 live I/O buffers of 16 KiB..=1 MiB, a byte written in every 4 KiB page.
+//! - `zero`, `zerol`: `vec![0u8; n]`, 8 live, a byte written per page, n in 4 KiB..=1 MiB and
+//!   1..=16 MiB; `zeros`: `zerol` with a byte written per 64 pages (a sparse table).
 //!
 //! Every block gets its first byte written; the PRNG is a fixed-seed splitmix64.
 
@@ -44,6 +48,7 @@ pub const WORKLOADS: &[(&str, &str)] = &[
     ("zerol", "ns/KiB"),
     ("zeros", "ns/KiB"),
     ("mid", "ns/step"),
+    ("med", "ns/step"),
 ];
 
 struct Rng(u64);
@@ -337,6 +342,8 @@ pub fn main() {
         "zeros" => zeroed(1_000, 1 << 20, 16 << 20, 64 << 12),
         // The churn of blocks just above the small ones: 2..16 KiB.
         "mid" => churn::<false>(5, 10_000, 2 << 10, 16 << 10, 1_000_000),
+        // Above the slab layer: 1,000 live blocks of 16..64 KiB, all engine blocks.
+        "med" => churn::<false>(6, 1_000, 16 << 10, 64 << 10, 1_000_000),
         other => panic!("unknown workload {other}"),
     };
     println!("{name} {value:.3} {}", peak_rss_kib());

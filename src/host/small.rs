@@ -82,7 +82,7 @@ const RECIP: [u64; NUM_CLASSES] = {
     r
 };
 
-/// Rows of [`ALIGNED`]: alignments 32, 64, ..., [`SMALL_MAX`] (a power of two).
+/// Rows of [`ALIGNED`]: alignments 32, 64, ..., [`SMALL_ALIGN`] (a power of two).
 const ALIGN_ROWS: usize = (SMALL_ALIGN.trailing_zeros() - 4) as usize;
 static_assertions::const_assert!(ALIGN_ROWS.is_power_of_two());
 
@@ -109,7 +109,7 @@ const ALIGNED: [[u16; NUM_CLASSES]; ALIGN_ROWS] = {
 };
 
 /// The class of a small request, or `None` if it goes to the engine: at most [`SMALL_MAX`] bytes
-/// with an alignment of at most [`SMALL_MAX`]. Above 16 bytes of alignment, the smallest class
+/// with an alignment of at most [`SMALL_ALIGN`]. Above 16 bytes of alignment, the smallest class
 /// that fits and whose size is a multiple of the alignment (a 64-byte-aligned 100-byte request
 /// takes the 128-byte class, a page-aligned one the 4 KiB class).
 #[inline]
@@ -142,7 +142,7 @@ pub(crate) fn class_for(size: usize, align: usize) -> Option<usize> {
 fn cold_path() {}
 
 /// The size in 16-byte units of [`class_for`]'s class for a request of at most [`SMALL_MAX`] bytes
-/// aligned to a power of two in `32..=SMALL_MAX`. (The mask and the `min` change nothing for such
+/// aligned to a power of two in `32..=SMALL_ALIGN`. (The mask and the `min` change nothing for such
 /// a request; they show the compiler that the indices are in bounds.)
 #[inline]
 fn aligned_units(size: usize, align: usize) -> usize {
@@ -214,6 +214,9 @@ pub(crate) struct Span {
     /// Pages (bit `p`: the span's page `p`) given back to the kernel since an object on them was
     /// last allocated.
     purged: u16,
+    /// Objects from this index on were never handed out since the span was made, and lie in memory
+    /// the heap had not reached then: they read as zero.
+    fresh: u16,
     /// Bit `w` set iff `bits[w]` has a clear bit (for the words in use).
     avail: u64,
     /// Bit `i` set iff object `i` is allocated; bits past the capacity are set.
@@ -478,7 +481,10 @@ impl SmallHeap {
         }
         span.free -= 1;
         let size = CLASS_SIZES[c] as usize;
-        let offset = (w * 64 + bit) * size;
+        let index = w * 64 + bit;
+        let offset = index * size;
+        // (At most 4,096 objects a span.)
+        span.fresh = span.fresh.max(index as u16 + 1);
         if span.purged != 0 {
             // The object's pages are in use again (the caller will touch them).
             span.unpurge(offset, size, self.page_shift);
@@ -490,6 +496,22 @@ impl SmallHeap {
         self.objects += 1;
         self.allocs += 1;
         Some(self.arena + (i << SPAN_SHIFT) + offset)
+    }
+
+    /// [`Self::alloc`], and the pages of the object's span on which the object's bytes are known to
+    /// be zero (bit `p`: the span's page `p`): all of them for an object never handed out since
+    /// the span was made over memory the heap had not reached ([`Span::fresh`]), else the pages
+    /// given back since an object on them was last allocated ([`Span::purged`]). To zero the
+    /// object, only its bytes on the other pages need writing.
+    #[cfg_attr(not(feature = "std"), allow(dead_code))]
+    pub(crate) fn alloc_known_zero(&mut self, c: usize) -> Option<(usize, u16)> {
+        let cur = self.current[c] as usize;
+        // `alloc` takes its object from the current span.
+        let span = self.spans.get(cur.checked_sub(1)?)?;
+        let (purged, fresh) = (span.purged, span.fresh as usize);
+        let p = self.alloc(c)?;
+        let index = ((p - self.arena) & (SPAN - 1)) / CLASS_SIZES[c] as usize;
+        Some((p, if index >= fresh { u16::MAX } else { purged }))
     }
 
     /// Allocates up to `out.len()` objects of class `c` from its spans with room, lowest address
@@ -534,6 +556,9 @@ impl SmallHeap {
                 ));
             }
             span.free -= (n - start) as u32;
+            // Objects come lowest first: the last is the highest.
+            let last = (out[n - 1] - base) / size;
+            span.fresh = span.fresh.max(last as u16 + 1);
             if span.purged != 0 {
                 // The objects' pages are in use again (the callers will touch them).
                 for &p in &out[start..n] {
@@ -560,8 +585,10 @@ impl SmallHeap {
 
     /// Gives class `c`, which has no span with room ([`Self::alloc`] returned `None`, or
     /// [`Self::alloc_batch`] came back short), the fresh
-    /// span at `base` (a new 64 KiB-aligned chunk from the engine), which becomes current.
-    pub(crate) fn add_span(&mut self, c: usize, base: usize) {
+    /// span at `base` (a new 64 KiB-aligned chunk from the engine), which becomes current. Its pages
+    /// that start at or above `zero_from` (the heap's end of touched memory before the span) are
+    /// known to be zero.
+    pub(crate) fn add_span(&mut self, c: usize, base: usize, zero_from: usize) {
         debug_assert_eq!(self.current[c], 0);
         let i = (base - self.arena) >> SPAN_SHIFT;
         let cap = capacity(c);
@@ -570,6 +597,10 @@ impl SmallHeap {
         span.free = cap as u32;
         span.avail = u64::MAX >> (64 - words_for(c));
         span.purged = 0;
+        span.fresh = zero_from
+            .saturating_sub(base)
+            .div_ceil(CLASS_SIZES[c] as usize)
+            .min(cap) as u16;
         for (w, word) in span.bits.iter_mut().enumerate() {
             // Bits past the capacity read as allocated so they are never handed out.
             let first = w * 64;
@@ -907,7 +938,7 @@ fn range_clear(bits: &[u64; WORDS], lo: usize, hi: usize) -> bool {
 
 /// Objects per span of class `c`.
 #[inline]
-fn capacity(c: usize) -> usize {
+pub(crate) fn capacity(c: usize) -> usize {
     const CAP: [u16; NUM_CLASSES] = {
         let mut cap = [0u16; NUM_CLASSES];
         let mut c = 0;
@@ -1007,6 +1038,7 @@ mod tests {
             .map(|_| Span {
                 free: 0,
                 purged: 0,
+                fresh: 0,
                 avail: 0,
                 bits: [0; WORDS],
             })
@@ -1048,7 +1080,7 @@ mod tests {
     /// Allocates from class `c`, adding the span `fresh` when every span of the class is full.
     fn alloc(h: &mut SmallHeap, c: usize, fresh: usize) -> usize {
         h.alloc(c).unwrap_or_else(|| {
-            h.add_span(c, base(fresh));
+            h.add_span(c, base(fresh), usize::MAX);
             h.alloc(c).unwrap()
         })
     }
@@ -1105,7 +1137,7 @@ mod tests {
                     match one.alloc(c) {
                         Some(p) => expect.push(p),
                         None => {
-                            one.add_span(c, base(fresh));
+                            one.add_span(c, base(fresh), usize::MAX);
                             added.push(fresh);
                             fresh += 1;
                         }
@@ -1120,7 +1152,7 @@ mod tests {
                         // A short batch means no span has room: take the one `one` took then.
                         assert!(many.alloc(c).is_none(), "a batch stopped with room left");
                         let i = spans.next().expect("the batch needed a span `one` did not");
-                        many.add_span(c, base(i));
+                        many.add_span(c, base(i), usize::MAX);
                     }
                 }
                 assert!(
@@ -1511,7 +1543,7 @@ mod tests {
     }
 
     #[test]
-    #[cfg_attr(miri, ignore = "arithmetic on 1.8M cases, checked natively")]
+    #[cfg_attr(miri, ignore = "arithmetic on 2.4M cases, checked natively")]
     fn object_starts_are_the_multiples_below_the_last_objects_end() {
         for (c, &size) in CLASS_SIZES.iter().enumerate() {
             let size = size as usize;
@@ -1526,7 +1558,7 @@ mod tests {
     }
 
     #[test]
-    #[cfg_attr(miri, ignore = "arithmetic on 1.8M cases, checked natively")]
+    #[cfg_attr(miri, ignore = "arithmetic on 2.4M cases, checked natively")]
     fn reciprocal_division_is_exact() {
         for (c, &size) in CLASS_SIZES.iter().enumerate() {
             for offset in 0..SPAN {

@@ -81,8 +81,10 @@ const BIN_BYTES: usize = 16 << 10;
 
 /// Fewest blocks one class's stack holds.
 const MIN_BIN: usize = 16;
-/// Fewest blocks the stack of a class above 4 KiB holds.
+/// Fewest blocks the stack of a class above [`LARGE_BIN_CLASS`] holds.
 const MIN_LARGE_BIN: usize = 8;
+/// Classes larger than this (4 KiB) get stacks of at least [`MIN_LARGE_BIN`] blocks.
+const LARGE_BIN_CLASS: usize = 4096;
 /// Most blocks one class's stack holds.
 #[cfg(not(loom))]
 const MAX_BIN: usize = 128;
@@ -90,8 +92,8 @@ const MAX_BIN: usize = 128;
 #[cfg(loom)]
 const MAX_BIN: usize = 16;
 
-/// Most blocks class `c`'s stack holds: about [`BIN_BYTES`] of them, between [`MIN_BIN`] and
-/// [`MAX_BIN`].
+/// Most blocks class `c`'s stack holds: about [`BIN_BYTES`] of them, between [`MIN_BIN`] (or
+/// [`MIN_LARGE_BIN`] above [`LARGE_BIN_CLASS`]) and [`MAX_BIN`].
 #[inline(always)]
 pub(crate) const fn bin_capacity(c: usize) -> usize {
     CAPACITY[c] as usize
@@ -103,7 +105,7 @@ const CAPACITY: [u8; NUM_CLASSES] = {
     let mut c = 0;
     while c < NUM_CLASSES {
         let n = BIN_BYTES / class_size(c);
-        let min = if class_size(c) > 4096 {
+        let min = if class_size(c) > LARGE_BIN_CLASS {
             MIN_LARGE_BIN
         } else {
             MIN_BIN
@@ -602,7 +604,7 @@ mod tests {
     fn capacities_follow_the_documented_bounds() {
         for c in 0..NUM_CLASSES {
             let n = bin_capacity(c);
-            let min = if class_size(c) > 4096 {
+            let min = if class_size(c) > LARGE_BIN_CLASS {
                 MIN_LARGE_BIN
             } else {
                 MIN_BIN

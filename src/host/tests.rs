@@ -1895,3 +1895,216 @@ fn blocks_up_to_16_kib_come_from_slabs() {
     assert_eq!(a.stats().bytes_in_use, 0);
     assert_eq!(a.check(), Ok(()));
 }
+
+/// A zeroed object of a class above one page from memory the heap had not reached, or whose pages
+/// went back, is not written (none of its pages becomes resident); a reused dirty one is written
+/// whole. With and without thread caches (zeroed objects of these classes are taken under the
+/// lock either way).
+#[test]
+#[cfg_attr(miri, ignore = "Miri has no mincore")]
+fn zeroed_multi_page_objects_are_written_only_where_dirty() {
+    for thread_cache in [false, true] {
+        for size in [5000, 8192, 14_000, small::SMALL_MAX] {
+            // A new heap for each size: the spans of the last would be reused memory.
+            let a = GlobalBfc::with_config(HostConfig {
+                arena_size: 64 << 20,
+                min_arena_size: 64 << 20,
+                chunk_capacity: 1 << 12,
+                thread_cache,
+                ..HostConfig::DEFAULT
+            });
+            let l = Layout::from_size_align(size, 8).unwrap();
+            let mut blocks = std::vec::Vec::new();
+            for _ in 0..40 {
+                // SAFETY: a non-zero size.
+                let p = unsafe { a.alloc_zeroed(l) };
+                assert!(!p.is_null());
+                blocks.push(p);
+            }
+            // (Residency first: `mincore` counts a page read as resident.)
+            let (lo, hi) = (blocks[0] as usize, blocks[39] as usize + size);
+            let page = os::page_size();
+            let (lo, hi) = (lo & !(page - 1), hi.next_multiple_of(page));
+            let touched = resident_pages(lo as *mut u8, hi - lo);
+            assert_eq!(touched, 0, "{size} B, caches {thread_cache}");
+            for &p in &blocks {
+                // SAFETY: `p` holds `size` bytes.
+                assert!(unsafe { filled_with(p, size, 0) });
+            }
+            // Dirty the first, free it and take it again: written whole.
+            // SAFETY: `blocks[0]` holds `size` bytes; it came from `a` with `l` and is freed once.
+            unsafe {
+                blocks[0].write_bytes(0xa5, size);
+                a.dealloc(blocks[0], l);
+            }
+            if thread_cache {
+                // Out of the cache, so the next zeroed object is the lowest again.
+                a.flush_thread_cache();
+            }
+            // SAFETY: a non-zero size.
+            let q = unsafe { a.alloc_zeroed(l) };
+            assert_eq!(q, blocks[0], "{size} B: the lowest free object");
+            // SAFETY: `q` holds `size` bytes.
+            assert!(unsafe { filled_with(q, size, 0) }, "{size} B: old data");
+            blocks[0] = q;
+            for p in blocks {
+                // SAFETY: each came from `a` with `l` and is freed once.
+                unsafe { a.dealloc(p, l) };
+            }
+            assert_eq!(a.check(), Ok(()));
+            assert_eq!(a.stats().bytes_in_use, 0);
+        }
+    }
+}
+
+/// A zeroed 16 KiB object whose pages went back (`release_free_memory` after its free) is not
+/// written again: its pages stay non-resident, and it reads as zero.
+#[test]
+#[cfg_attr(miri, ignore = "Miri has no mincore")]
+fn zeroed_objects_on_given_back_pages_are_not_written() {
+    let a = GlobalBfc::with_config(HostConfig {
+        arena_size: 64 << 20,
+        min_arena_size: 64 << 20,
+        chunk_capacity: 1 << 12,
+        thread_cache: false,
+        ..HostConfig::DEFAULT
+    });
+    let size = small::SMALL_MAX;
+    let l = Layout::from_size_align(size, 8).unwrap();
+    // One span: four objects, each written whole; the last stays live so the span stays.
+    // SAFETY: non-zero sizes; each block holds `size` bytes.
+    let b: std::vec::Vec<*mut u8> = (0..4)
+        .map(|_| unsafe {
+            let p = a.alloc(l);
+            assert!(!p.is_null());
+            p.write_bytes(0xa5, size);
+            p
+        })
+        .collect();
+    assert_eq!(b[3] as usize, b[0] as usize + 3 * size, "one span");
+    for &p in &b[..3] {
+        // SAFETY: each came from `a` with `l` and is freed once.
+        unsafe { a.dealloc(p, l) };
+    }
+    a.release_free_memory();
+    assert_eq!(
+        resident_pages(b[0], 3 * size),
+        0,
+        "the free pages went back"
+    );
+    // SAFETY: non-zero sizes.
+    let z: std::vec::Vec<*mut u8> = (0..3).map(|_| unsafe { a.alloc_zeroed(l) }).collect();
+    assert_eq!(z, b[..3], "the same objects again");
+    assert_eq!(resident_pages(b[0], 3 * size), 0, "written while zeroed");
+    for &p in &z {
+        // SAFETY: `p` holds `size` bytes.
+        assert!(unsafe { filled_with(p, size, 0) });
+    }
+    for &p in z.iter().chain(&b[3..]) {
+        // SAFETY: each came from `a` with `l` and is freed once.
+        unsafe { a.dealloc(p, l) };
+    }
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// Objects a thread cache's refill took (a batch) and handed out count as touched: zeroed again
+/// later, they are written.
+#[test]
+fn zeroed_objects_after_a_cached_use_are_zero() {
+    let a = GlobalBfc::with_config(HostConfig {
+        arena_size: 64 << 20,
+        min_arena_size: 64 << 20,
+        chunk_capacity: 1 << 12,
+        ..HostConfig::DEFAULT
+    });
+    for size in [5000, small::SMALL_MAX] {
+        let l = Layout::from_size_align(size, 8).unwrap();
+        // SAFETY: non-zero sizes; each block holds `size` bytes.
+        let b: std::vec::Vec<*mut u8> = (0..3)
+            .map(|_| unsafe {
+                let p = a.alloc(l);
+                assert!(!p.is_null());
+                p.write_bytes(0xa5, size);
+                p
+            })
+            .collect();
+        for &p in &b {
+            // SAFETY: each came from `a` with `l` and is freed once.
+            unsafe { a.dealloc(p, l) };
+        }
+        a.flush_thread_cache();
+        // SAFETY: non-zero sizes.
+        let z: std::vec::Vec<*mut u8> = (0..3).map(|_| unsafe { a.alloc_zeroed(l) }).collect();
+        let mut sorted = b.clone();
+        sorted.sort();
+        assert_eq!(z, sorted, "{size} B: the same objects, lowest first");
+        for &p in &z {
+            // SAFETY: `p` holds `size` bytes; it came from `a` with `l` and is freed once.
+            unsafe {
+                assert!(filled_with(p, size, 0), "{size} B: old data");
+                a.dealloc(p, l);
+            }
+        }
+    }
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A span made over memory the heap used before (a freed, written engine block) has no fresh
+/// objects: zeroed objects from it are written.
+#[test]
+fn zeroed_objects_in_reused_memory_are_zero() {
+    let a = GlobalBfc::with_config(HostConfig {
+        arena_size: 64 << 20,
+        min_arena_size: 64 << 20,
+        chunk_capacity: 1 << 12,
+        thread_cache: false,
+        ..HostConfig::DEFAULT
+    });
+    let big = Layout::from_size_align(256 << 10, 4096).unwrap();
+    let guard = Layout::from_size_align(64 << 10, 4096).unwrap();
+    // SAFETY: non-zero sizes; `b` holds 256 KiB; each block is freed once with its layout.
+    let (b, g) = unsafe {
+        let (b, g) = (a.alloc(big), a.alloc(guard));
+        assert!(!b.is_null() && !g.is_null());
+        b.write_bytes(0xa5, big.size());
+        a.dealloc(b, big);
+        (b, g)
+    };
+    for size in [5000, small::SMALL_MAX] {
+        let l = Layout::from_size_align(size, 8).unwrap();
+        // SAFETY: a non-zero size.
+        let p = unsafe { a.alloc_zeroed(l) };
+        assert!(
+            (b as usize..b as usize + big.size()).contains(&(p as usize)),
+            "{size} B: a span in the freed block"
+        );
+        // SAFETY: `p` holds `size` bytes; it came from `a` with `l` and is freed below.
+        assert!(unsafe { filled_with(p, size, 0) }, "{size} B: old data");
+        // SAFETY: as above.
+        unsafe { a.dealloc(p, l) };
+    }
+    // SAFETY: `g` came from `a` with `guard`.
+    unsafe { a.dealloc(g, guard) };
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A thread cache's refill takes at most one span's objects: the first 16 KiB allocation on a
+/// thread makes one span (four objects: one for the caller, three cached), not two.
+#[test]
+fn a_refill_makes_no_span_only_to_fill_the_cache() {
+    let a = GlobalBfc::with_config(HostConfig {
+        arena_size: 64 << 20,
+        min_arena_size: 64 << 20,
+        chunk_capacity: 1 << 12,
+        ..HostConfig::DEFAULT
+    });
+    let l = Layout::from_size_align(small::SMALL_MAX, 8).unwrap();
+    // SAFETY: a non-zero size.
+    let p = unsafe { a.alloc(l) };
+    assert!(!p.is_null());
+    assert_eq!(a.with_heap(|h| h.span_allocs).unwrap(), 1);
+    assert_eq!(a.stats().bytes_cached, 3 * small::SMALL_MAX);
+    // SAFETY: `p` came from `a` with `l`.
+    unsafe { a.dealloc(p, l) };
+    assert_eq!(a.check(), Ok(()));
+}
