@@ -1849,6 +1849,9 @@ fn span_metadata_follows_what_the_heap_reached() {
 #[test]
 fn blocks_up_to_16_kib_come_from_slabs() {
     let a = GlobalBfc::with_config(HostConfig {
+        arena_size: 64 << 20,
+        min_arena_size: 64 << 20,
+        chunk_capacity: 1 << 12,
         thread_cache: false,
         ..HostConfig::DEFAULT
     });
