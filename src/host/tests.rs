@@ -8,10 +8,16 @@ const CHILD_ENV: &str = "BFC_ALLOC_HOST_UNIT_CHILD";
 
 /// An instance with a small arena (reservable anywhere).
 fn small_instance() -> GlobalBfc {
+    small_instance_with_caches(true)
+}
+
+/// [`small_instance`] with thread caches on or off.
+fn small_instance_with_caches(thread_cache: bool) -> GlobalBfc {
     GlobalBfc::with_config(HostConfig {
         arena_size: 64 << 20,
         min_arena_size: 64 << 20,
         chunk_capacity: 1 << 12,
+        thread_cache,
         ..HostConfig::DEFAULT
     })
 }
@@ -1848,13 +1854,7 @@ fn span_metadata_follows_what_the_heap_reached() {
 /// block.
 #[test]
 fn blocks_up_to_16_kib_come_from_slabs() {
-    let a = GlobalBfc::with_config(HostConfig {
-        arena_size: 64 << 20,
-        min_arena_size: 64 << 20,
-        chunk_capacity: 1 << 12,
-        thread_cache: false,
-        ..HostConfig::DEFAULT
-    });
+    let a = small_instance_with_caches(false);
     let cases = [
         (4097, 8, Some(5120)),
         (5000, 16, Some(5120)),
@@ -1909,13 +1909,7 @@ fn zeroed_multi_page_objects_are_written_only_where_dirty() {
     for thread_cache in [false, true] {
         for size in [5000, 8192, 14_000, small::SMALL_MAX] {
             // A new heap for each size: the spans of the last would be reused memory.
-            let a = GlobalBfc::with_config(HostConfig {
-                arena_size: 64 << 20,
-                min_arena_size: 64 << 20,
-                chunk_capacity: 1 << 12,
-                thread_cache,
-                ..HostConfig::DEFAULT
-            });
+            let a = small_instance_with_caches(thread_cache);
             let l = Layout::from_size_align(size, 8).unwrap();
             let mut blocks = std::vec::Vec::new();
             for _ in 0..40 {
@@ -1965,13 +1959,7 @@ fn zeroed_multi_page_objects_are_written_only_where_dirty() {
 #[test]
 #[cfg_attr(miri, ignore = "Miri has no mincore")]
 fn zeroed_objects_on_given_back_pages_are_not_written() {
-    let a = GlobalBfc::with_config(HostConfig {
-        arena_size: 64 << 20,
-        min_arena_size: 64 << 20,
-        chunk_capacity: 1 << 12,
-        thread_cache: false,
-        ..HostConfig::DEFAULT
-    });
+    let a = small_instance_with_caches(false);
     let size = small::SMALL_MAX;
     let l = Layout::from_size_align(size, 8).unwrap();
     // One span: four objects, each written whole; the last stays live so the span stays.
@@ -2014,12 +2002,7 @@ fn zeroed_objects_on_given_back_pages_are_not_written() {
 /// later, they are written.
 #[test]
 fn zeroed_objects_after_a_cached_use_are_zero() {
-    let a = GlobalBfc::with_config(HostConfig {
-        arena_size: 64 << 20,
-        min_arena_size: 64 << 20,
-        chunk_capacity: 1 << 12,
-        ..HostConfig::DEFAULT
-    });
+    let a = small_instance();
     for size in [5000, small::SMALL_MAX] {
         let l = Layout::from_size_align(size, 8).unwrap();
         // SAFETY: non-zero sizes; each block holds `size` bytes.
@@ -2056,13 +2039,7 @@ fn zeroed_objects_after_a_cached_use_are_zero() {
 /// objects: zeroed objects from it are written.
 #[test]
 fn zeroed_objects_in_reused_memory_are_zero() {
-    let a = GlobalBfc::with_config(HostConfig {
-        arena_size: 64 << 20,
-        min_arena_size: 64 << 20,
-        chunk_capacity: 1 << 12,
-        thread_cache: false,
-        ..HostConfig::DEFAULT
-    });
+    let a = small_instance_with_caches(false);
     let big = Layout::from_size_align(256 << 10, 4096).unwrap();
     let guard = Layout::from_size_align(64 << 10, 4096).unwrap();
     // SAFETY: non-zero sizes; `b` holds 256 KiB; each block is freed once with its layout.
@@ -2095,12 +2072,7 @@ fn zeroed_objects_in_reused_memory_are_zero() {
 /// thread makes one span (four objects: one for the caller, three cached), not two.
 #[test]
 fn a_refill_makes_no_span_only_to_fill_the_cache() {
-    let a = GlobalBfc::with_config(HostConfig {
-        arena_size: 64 << 20,
-        min_arena_size: 64 << 20,
-        chunk_capacity: 1 << 12,
-        ..HostConfig::DEFAULT
-    });
+    let a = small_instance();
     let l = Layout::from_size_align(small::SMALL_MAX, 8).unwrap();
     // SAFETY: a non-zero size.
     let p = unsafe { a.alloc(l) };
