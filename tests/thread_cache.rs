@@ -171,8 +171,12 @@ fn the_cache_is_bounded_and_flushes_on_demand() {
     A.flush_thread_cache();
     let before = A.stats();
     let mut blocks: Vec<(usize, Layout)> = Vec::new();
-    // Every class (the slab layer serves up to 16 KiB).
-    for size in (16..=4096).step_by(16).chain((4608..=16384).step_by(512)) {
+    // Every class: the slab layer's (up to 16 KiB) and the medium ones (up to 64 KiB).
+    let sizes = (16..=4096)
+        .step_by(16)
+        .chain((4608..=16384).step_by(512))
+        .chain((16384 + 1024..=65536).step_by(4096));
+    for size in sizes {
         let l = Layout::from_size_align(size, 8).unwrap();
         for _ in 0..300 {
             // SAFETY: a valid layout.
@@ -185,18 +189,19 @@ fn the_cache_is_bounded_and_flushes_on_demand() {
         unsafe { A.dealloc(p as *mut u8, l) };
         assert!(A.thread_cache_bytes() <= MAX_CACHED_BYTES);
     }
+    let freed = blocks.len();
     drop(blocks);
     let cached = A.thread_cache_bytes();
     let after = A.stats();
     println!(
-        "cached after freeing 76,800 small blocks: {cached} B (bound {MAX_CACHED_BYTES} B); \
+        "cached after freeing {freed} blocks: {cached} B (bound {MAX_CACHED_BYTES} B); \
          in use {} -> {} -> {} B",
         before.bytes_in_use, during.bytes_in_use, after.bytes_in_use
     );
     assert!(cached > 0 && cached <= MAX_CACHED_BYTES);
     assert!(after.bytes_cached >= cached);
     // (Other threads allocate too: the test harness, after the previous test let `SERIAL` go, once
-    // took about 10 KB between the two readings. The 76,800 blocks are 19 MiB.)
+    // took about 10 KB between the two readings. The 87,600 blocks take 394 MiB.)
     assert!(
         after.bytes_in_use < before.bytes_in_use + (64 << 10),
         "{before:?} -> {after:?}"

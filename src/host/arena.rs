@@ -18,6 +18,12 @@ pub(super) const COMMIT_STEP: usize = 2 << 20;
 /// Chunk-table commit step, in bytes (2,048 records).
 pub(super) const TABLE_STEP: usize = 64 << 10;
 
+/// Arena bytes per medium-table entry (see `medium.rs`).
+#[cfg(feature = "std")]
+const MEDIUM_WINDOW_SHIFT: u32 = super::medium::WINDOW_SHIFT;
+#[cfg(not(feature = "std"))]
+const MEDIUM_WINDOW_SHIFT: u32 = 14;
+
 /// Chunk records kept committed beyond the touched ones before an engine call: a call makes at most
 /// two (see `Bfc::records_touched`).
 pub(super) const RECORD_SLACK: usize = 4;
@@ -83,6 +89,9 @@ pub(super) struct HostSource {
     pub(super) map_commit: Prefix,
     pub(super) table_commit: Prefix,
     pub(super) spans_commit: Prefix,
+    /// The medium table's: readable throughout (thread caches read any entry of the arena), written
+    /// only where committed.
+    pub(super) medium_commit: Prefix,
     /// The highest committed end of the arena so far (an address): the pointer map and span table
     /// stay committed as far as they describe it when the arena's commit moves down.
     reached: usize,
@@ -123,7 +132,11 @@ impl HostSource {
             ),
             spans_commit: prefix(
                 meta_base + layout.spans_at,
-                layout.classes_at - layout.spans_at,
+                layout.medium_at - layout.spans_at,
+            ),
+            medium_commit: prefix(
+                meta_base + layout.medium_at,
+                layout.classes_at - layout.medium_at,
             ),
         }
     }
@@ -141,10 +154,11 @@ impl HostSource {
     fn commit_arena_slow(&mut self, bytes: usize) -> bool {
         let to = bytes.next_multiple_of(COMMIT_STEP).min(self.arena_size);
         // Metadata first: a refusal then leaves the arena as it was.
-        let (map_bytes, spans_bytes) = self.described_by(to);
+        let (map_bytes, spans_bytes, medium_bytes) = self.described_by(to);
         let page = self.page;
         let done = self.map_commit.cover(map_bytes, page)
             && self.spans_commit.cover(spans_bytes, page)
+            && self.medium_commit.cover(medium_bytes, page)
             && self.arena_commit.cover(to, COMMIT_STEP);
         self.reached = self.reached.max(self.committed_end());
         done
@@ -156,26 +170,28 @@ impl HostSource {
         self.reached
     }
 
-    /// Bytes of the pointer map and of the span table that describe the arena's first `bytes`.
-    /// A chunk may start at `bytes` itself (the free rest of a block that ends there), so its map
-    /// entry and span entry count too.
-    pub(super) fn described_by(&self, bytes: usize) -> (usize, usize) {
+    /// Bytes of the pointer map, of the span table and of the medium table that describe the
+    /// arena's first `bytes`. A chunk may start at `bytes` itself (the free rest of a block that
+    /// ends there), so its entries count too.
+    pub(super) fn described_by(&self, bytes: usize) -> (usize, usize, usize) {
         (
             (bytes / self.map_block + 1) * core::mem::size_of::<Option<ChunkHandle>>(),
             ((bytes >> small::SPAN_SHIFT) + 1) * SmallHeap::ENTRY,
+            ((bytes >> MEDIUM_WINDOW_SHIFT) + 1) * core::mem::size_of::<u16>(),
         )
     }
 
     /// Whether what is committed covers what the heap uses: the arena below `brk`, the map and
     /// span entries of the committed arena, and the chunk table's first `records` records.
     pub(super) fn check_commit(&self, brk: usize, records: usize) -> Result<(), &'static str> {
-        let (map_bytes, spans_bytes) = self.described_by(self.arena_commit.done);
+        let (map_bytes, spans_bytes, medium_bytes) = self.described_by(self.arena_commit.done);
         if brk > self.committed_end() {
             Err("memory in use lies past the committed end of the arena")
         } else if map_bytes.min(self.map_commit.len) > self.map_commit.done
             || spans_bytes.min(self.spans_commit.len) > self.spans_commit.done
+            || medium_bytes.min(self.medium_commit.len) > self.medium_commit.done
         {
-            Err("the pointer map or span table is not committed as far as the arena")
+            Err("the pointer map, span table or medium table is not committed as far as the arena")
         } else if records.saturating_mul(core::mem::size_of::<Chunk>()) > self.table_commit.done {
             Err("chunk records in use lie past the committed part of the chunk table")
         } else {
@@ -298,6 +314,10 @@ pub(super) struct MetaLayout {
     pub(super) sets_at: usize,
     pub(super) set_words: usize,
     pub(super) transfer_at: usize,
+    /// The medium table (`std`; none without): an entry per 16 KiB of arena. Read-only until
+    /// committed in step with the arena.
+    pub(super) medium_at: usize,
+    pub(super) medium_entries: usize,
     pub(super) anchor_at: usize,
     /// Bytes of the whole reservation.
     pub(super) size: usize,
@@ -320,10 +340,16 @@ impl MetaLayout {
             (tcache::TRANSFER_SLOTS * core::mem::size_of::<usize>()).next_multiple_of(page);
         #[cfg(not(feature = "std"))]
         let transfer_bytes = 0;
+        #[cfg(feature = "std")]
+        let medium_entries = arena_size >> super::medium::WINDOW_SHIFT;
+        #[cfg(not(feature = "std"))]
+        let medium_entries = 0;
+        let medium_bytes = (medium_entries * core::mem::size_of::<u16>()).next_multiple_of(page);
         let anchor_bytes = core::mem::size_of::<Anchor>().next_multiple_of(page);
         let table_at = map_bytes;
         let spans_at = table_at + table_bytes;
-        let classes_at = spans_at + spans_bytes;
+        let medium_at = spans_at + spans_bytes;
+        let classes_at = medium_at + medium_bytes;
         let sets_at = classes_at + classes_bytes;
         let transfer_at = sets_at + sets_bytes;
         let anchor_at = transfer_at + transfer_bytes;
@@ -336,6 +362,8 @@ impl MetaLayout {
             sets_at,
             set_words,
             transfer_at,
+            medium_at,
+            medium_entries,
             anchor_at,
             size: anchor_at + anchor_bytes,
         }

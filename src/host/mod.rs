@@ -35,24 +35,34 @@
 //! live bytes, and its spans above that drain and go back to the engine for any size to reuse.
 //! Everything larger goes to the engine, with its best fit and coalescing; new blocks of 64 KiB or
 //! more start at a 64 KiB boundary where the arena has room for the padding, so the first pages of a
-//! new large block are likely already touched.
+//! new large block are likely already touched. With `std`, requests above 16 KiB and up to 64 KiB
+//! (alignment at most 16 bytes) are *medium*: rounded up to one of eight classes (20 to 64 KiB,
+//! four per power of two) so that thread caches can keep freed ones for reuse (see `medium.rs`).
 //!
 //! # Thread caches (`std`)
 //!
 //! In front of the slab layer each thread keeps bounded per-class stacks of free small blocks, so most
-//! small allocations and frees take no lock (see `tcache.rs` for the protocol):
-//! - at most [`MAX_CACHED_BYTES`] (1,199 KiB) per thread; a refill or an overflow moves half a stack;
+//! small allocations and frees take no lock (see `tcache.rs` for the protocol), and stacks of freed
+//! medium blocks, so a medium block freed and taken again by its thread skips the lock and the
+//! engine:
+//! - at most [`MAX_CACHED_BYTES`] (1,711 KiB) per thread: 1,199 KiB of small blocks, where a refill
+//!   or an overflow moves half a stack, and 4 blocks of each medium class, 512 KiB of them in all,
+//!   where a miss takes one block from the engine and an overflow gives half the class's stack back
+//!   to it;
 //! - a block freed on another thread joins that thread's cache; a full cache gives half a stack to
 //!   a per-class transfer cache in the heap, from which the refills of that class take their batches
 //!   before the slab layer (at most two stacks per class, about 2.3 MiB in all);
-//! - every 256 refills and flushes of a thread's cache, each class that had none of them gives half
-//!   its blocks back to the slab layer, so a class the thread stopped using drains;
+//! - every 256 refills and flushes (medium misses and overflows count too) of a thread's cache, each
+//!   class that had none of them gives half its blocks back to the slab layer or the engine, so a
+//!   class the thread stopped using drains;
 //! - a thread's cache is flushed when the thread exits, on demand by
 //!   [`GlobalBfc::flush_thread_cache`] (and [`GlobalBfc::release_free_memory`]), and before an
 //!   allocation on that thread fails for want of room (with the transfer cache);
-//! - blocks going back to the slab layer are checked there, and a block freed twice in a row on one
-//!   thread is caught at the second free unless a flush or decay of its class came between (other
-//!   double frees when the block reaches the slab layer);
+//! - blocks going back to the slab layer or the engine are checked there, and a block freed twice in
+//!   a row on one thread is caught at the second free unless a flush or decay of its class came
+//!   between (other double frees when the block reaches the slab layer or the engine); a medium
+//!   block joins a stack only if the heap's medium table names it as a live block of the class its
+//!   layout says;
 //! - [`GlobalBfc::stats`] counts cached blocks as cached, not in use;
 //! - a thread's cache serves the first instance that uses it; other instances take the lock there.
 //!
@@ -134,6 +144,8 @@
 
 mod arena;
 mod fork;
+#[cfg(feature = "std")]
+mod medium;
 mod os;
 mod small;
 #[cfg(feature = "std")]
@@ -287,6 +299,9 @@ struct Heap {
     /// Blocks thread caches gave back when full, for the next refill (see `tcache::Transfer`).
     #[cfg(feature = "std")]
     transfer: tcache::Transfer,
+    /// Which medium blocks thread caches may take (see `medium.rs`).
+    #[cfg(feature = "std")]
+    medium: medium::Table,
     /// End of the arena.
     arena_end: usize,
     /// Every byte ever handed out lies below this address (the arena above it was never touched, or
@@ -873,11 +888,18 @@ impl Heap {
                         // huge pages on for every mapping, each touch would make 2 MiB resident.
                         os::no_huge_pages(m, meta.size);
                         let fixed = m.as_ptr() as usize + meta.classes_at;
+                        let medium = m.as_ptr() as usize + meta.medium_at;
                         // The parts sized by the arena alone, committed whole: the span classes
                         // (read by thread caches without the lock), the span sets, the transfer
-                        // cache and the anchor.
-                        // SAFETY: `classes_at..size` is page-aligned, inside the fresh reservation.
-                        if unsafe { os::commit(fixed, meta.size - meta.classes_at) } {
+                        // cache and the anchor. The medium table, which thread caches read
+                        // anywhere but the heap writes only where the arena is committed, is
+                        // readable throughout and committed in step with the arena.
+                        // SAFETY: `classes_at..size` and `medium_at..classes_at` are
+                        // page-aligned, inside the fresh reservation, not committed yet.
+                        if unsafe {
+                            os::make_readable(medium, meta.classes_at - meta.medium_at)
+                                && os::commit(fixed, meta.size - meta.classes_at)
+                        } {
                             break (p, want, capacity, meta, m);
                         }
                         // SAFETY: the metadata reservation was just made and is unused.
@@ -912,6 +934,8 @@ impl Heap {
             sets_at,
             set_words,
             transfer_at,
+            medium_at,
+            medium_entries,
             anchor_at,
             size: meta_mapping_size,
             ..
@@ -968,6 +992,21 @@ impl Heap {
         };
         #[cfg(not(feature = "std"))]
         let _ = transfer_at;
+        // SAFETY: as for the span classes: a zero-filled (no medium block), exclusively owned part
+        // of the metadata reservation, alive as long as the heap; `AtomicU16` has `u16`'s layout,
+        // the offset is page-aligned, and any bytes are valid entries.
+        #[cfg(feature = "std")]
+        let medium_table: &'static [core::sync::atomic::AtomicU16] = unsafe {
+            core::slice::from_raw_parts(
+                meta_mapping
+                    .as_ptr()
+                    .add(medium_at)
+                    .cast::<core::sync::atomic::AtomicU16>(),
+                medium_entries,
+            )
+        };
+        #[cfg(not(feature = "std"))]
+        let _ = (medium_at, medium_entries);
         let mut source = HostSource::new(
             (arena, arena_size),
             (arena_mapping, arena_mapping_size),
@@ -1034,6 +1073,7 @@ impl Heap {
                     addr_of_mut!((*heap).registered).write(0);
                     addr_of_mut!((*heap).fork_gen).write(fork_generation());
                     addr_of_mut!((*heap).transfer).write(tcache::Transfer::new(transfer));
+                    addr_of_mut!((*heap).medium).write(medium::Table::new(arena, medium_table));
                 }
                 addr_of_mut!((*heap).arena_end).write(arena + arena_size);
                 addr_of_mut!((*heap).brk).write(arena);
@@ -1063,6 +1103,8 @@ impl Heap {
                         fork_gen: _,
                     #[cfg(feature = "std")]
                         transfer: _,
+                    #[cfg(feature = "std")]
+                        medium: _,
                     arena_end: _,
                     brk: _,
                     page: _,
@@ -1153,6 +1195,42 @@ impl Heap {
             self.note_peak(small::class_size(c));
             return p as *mut u8;
         }
+        #[cfg(feature = "std")]
+        if let Some(m) = medium::class_for(size, align) {
+            return self.allocate_medium(m, size, align);
+        }
+        match self.allocate_engine(size, align, (size, align)) {
+            Some(b) => b.ptr as *mut u8,
+            None => ptr::null_mut(),
+        }
+    }
+
+    /// A medium block of class `m` for a request of `size` bytes at `align`: an engine block of
+    /// the class size at [`medium::MEDIUM_ALIGN`], noted in the medium table when it has exactly
+    /// that size (a thread cache may then keep it when it is freed).
+    #[cfg(feature = "std")]
+    #[inline]
+    fn allocate_medium(&mut self, m: usize, size: usize, align: usize) -> *mut u8 {
+        let Some(b) =
+            self.allocate_engine(medium::class_size(m), medium::MEDIUM_ALIGN, (size, align))
+        else {
+            return ptr::null_mut();
+        };
+        if b.size == medium::class_size(m) {
+            self.medium.set(m, b.ptr);
+        }
+        b.ptr as *mut u8
+    }
+
+    /// An engine block of `size` bytes at `align`, noted as handed out; `None` (noted as a failure
+    /// of `request`, the caller's size and alignment) when none is found.
+    #[inline]
+    fn allocate_engine(
+        &mut self,
+        size: usize,
+        align: usize,
+        request: (usize, usize),
+    ) -> Option<Allocated> {
         let grid = if size >= LARGE_ALIGN {
             align.max(LARGE_ALIGN)
         } else {
@@ -1181,9 +1259,12 @@ impl Heap {
                 // All of the block: its caller may write up to `usable_size`.
                 self.note_allocated(b.ptr, b.size);
                 self.note_peak(b.size);
-                b.ptr as *mut u8
+                Some(b)
             }
-            None => self.failed(size, align),
+            None => {
+                self.failed(request.0, request.1);
+                None
+            }
         }
     }
 
@@ -1409,6 +1490,22 @@ impl Heap {
             .map_err(|what| CheckError { what, at: None })?;
         #[cfg(feature = "std")]
         self.check_own_cache()?;
+        // Every medium table entry names a live block of exactly its class's size.
+        #[cfg(feature = "std")]
+        {
+            let mut bad = None;
+            self.medium.walk(self.brk, |p, m| {
+                if bad.is_none() && self.bfc.usable_size(p) != Ok(medium::class_size(m)) {
+                    bad = Some(p);
+                }
+            });
+            if let Some(p) = bad {
+                return Err(CheckError {
+                    what: "the medium table names a block that is not a live block of its class",
+                    at: Some(p),
+                });
+            }
+        }
         #[cfg(feature = "std")]
         for c in 0..small::NUM_CLASSES {
             let mut ok = true;
@@ -1581,7 +1678,15 @@ impl Heap {
     #[inline]
     fn free_engine(&mut self, p: usize) {
         match self.bfc.deallocate(p) {
-            Ok(f) => self.after_free(f),
+            Ok(f) => {
+                // Only a block above 16 KiB may be a medium one, and its window's entry is its own
+                // (see `medium.rs`).
+                #[cfg(feature = "std")]
+                if f.size > small::SMALL_MAX {
+                    self.medium.clear(p);
+                }
+                self.after_free(f)
+            }
             Err(e) => os::fatal(format_args!("{e}")),
         }
     }
@@ -1620,7 +1725,7 @@ impl Heap {
             }
             Err(e) => small_error(p, e, "realloc: "),
         }
-        if let Some(q) = self.resize_in_place(ptr, new_size) {
+        if let Some(q) = self.resize_in_place(ptr, new_size, align) {
             if q.is_null() {
                 return self.failed(new_size, align);
             }
@@ -1635,7 +1740,7 @@ impl Heap {
         // Before failing, the allocation took back what the heap held only for reuse (see
         // `Heap::reclaim`): an empty span that stood after the block may have gone back and
         // coalesced with the free chunk there.
-        match self.resize_in_place(ptr, new_size) {
+        match self.resize_in_place(ptr, new_size, align) {
             Some(q) if q.is_null() => self.failed(new_size, align),
             Some(q) => {
                 // The realloc succeeded: the failure the allocation noted is not one.
@@ -1647,11 +1752,18 @@ impl Heap {
         }
     }
 
-    /// Resizes the engine block at `ptr` to `new_size` bytes where it lies: `ptr` when done, null
-    /// when out of memory, `None` when the block must move.
+    /// Resizes the engine block at `ptr` to `new_size` bytes (its medium class's size, for a
+    /// medium request at `align`) where it lies: `ptr` when done, null when out of memory, `None`
+    /// when the block must move.
     #[inline]
-    fn resize_in_place(&mut self, ptr: *mut u8, new_size: usize) -> Option<*mut u8> {
+    fn resize_in_place(&mut self, ptr: *mut u8, new_size: usize, align: usize) -> Option<*mut u8> {
         let p = ptr as usize;
+        #[cfg(feature = "std")]
+        let class = medium::class_for(new_size, align);
+        #[cfg(feature = "std")]
+        let new_size = class.map_or(new_size, medium::class_size);
+        #[cfg(not(feature = "std"))]
+        let _ = align;
         // A shrink makes a record.
         if !self.prepare_records() {
             self.cause = FailureCause::CommitRefused;
@@ -1667,6 +1779,15 @@ impl Heap {
         }
         match self.bfc.resize_in_place(p, new_size) {
             Ok(Resize::Done { freed, size }) => {
+                // The block's old entry (if it was a medium block) no longer says its size; the
+                // new one is written when the block is exactly a medium class's size.
+                #[cfg(feature = "std")]
+                {
+                    self.medium.clear(p);
+                    if let Some(m) = class.filter(|&m| size == medium::class_size(m)) {
+                        self.medium.set(m, p);
+                    }
+                }
                 match freed {
                     Some(f) => self.after_free(f),
                     // The whole block: its caller may write up to `usable_size`.
@@ -1760,6 +1881,13 @@ unsafe impl GlobalAlloc for GlobalBfc {
         if let Some(c) = small::class_for(layout.size(), layout.align()) {
             return self.alloc_small(c, layout.size(), layout.align());
         }
+        #[cfg(feature = "std")]
+        if let Some(m) = medium::class_for(layout.size(), layout.align()) {
+            return match self.bound_cache(|tc| tc.pop_medium(m)).flatten() {
+                Some(p) => p as *mut u8,
+                None => self.alloc_medium_slow(m, layout.size(), layout.align()),
+            };
+        }
         self.alloc_locked(layout.size(), layout.align())
     }
 
@@ -1784,6 +1912,15 @@ unsafe impl GlobalAlloc for GlobalBfc {
                 unsafe { ptr::write_bytes(p, 0, layout.size()) };
             }
             return p;
+        }
+        // A cached medium block was handed out before: written whole.
+        #[cfg(feature = "std")]
+        if let Some(m) = medium::class_for(layout.size(), layout.align()) {
+            if let Some(p) = self.bound_cache(|tc| tc.pop_medium(m)).flatten() {
+                // SAFETY: the block holds its class's size, at least `size` bytes.
+                unsafe { ptr::write_bytes(p as *mut u8, 0, layout.size()) };
+                return p as *mut u8;
+            }
         }
         // `fresh`: the heap's end of touched memory before this allocation. Nothing was ever
         // written at or above it (or its pages were returned), so that part of the block is zero.
@@ -1836,6 +1973,13 @@ unsafe impl GlobalAlloc for GlobalBfc {
             }
             return;
         }
+        #[cfg(feature = "std")]
+        if let Some(m) = medium::class_for(layout.size(), layout.align()) {
+            if self.bound_cache(|tc| tc.push_medium(m, ptr as usize)) != Some(true) {
+                self.free_medium_slow(ptr, m);
+            }
+            return;
+        }
         let _ = layout;
         self.free_locked(ptr);
     }
@@ -1849,6 +1993,15 @@ unsafe impl GlobalAlloc for GlobalBfc {
             .filter(|&c| self.bound_cache(|tc| tc.plausible(c, ptr as usize)) == Some(true));
         #[cfg(not(feature = "std"))]
         let fast: Option<usize> = None;
+        // So does a medium block the table names, within its class (its block has the class size).
+        #[cfg(feature = "std")]
+        if let Some(m) = medium::class_for(layout.size(), align) {
+            if medium::class_for(new_size, align) == Some(m)
+                && self.bound_cache(|tc| tc.plausible_medium(m, ptr as usize)) == Some(true)
+            {
+                return ptr;
+            }
+        }
         let new = match fast {
             Some(c) if small::class_for(new_size, align) == Some(c) => return ptr,
             // SAFETY: forwarded contract: `new_size`, rounded up to `align`, fits an `isize`.
@@ -1969,6 +2122,41 @@ impl GlobalBfc {
         }
     }
 
+    /// A medium allocation the thread's cache had no block for: an engine block under the lock
+    /// (binding the cache first if it is free to bind, and counting the miss for its decay).
+    #[cfg(feature = "std")]
+    #[cold]
+    #[inline(never)]
+    fn alloc_medium_slow(&self, m: usize, size: usize, align: usize) -> *mut u8 {
+        let p = tcache::with(|tc| {
+            self.with_bound_cache(tc, |h| {
+                let p = h.allocate(size, align);
+                h.note_slow(tc, tcache::MEDIUM_BIT + m);
+                p
+            })
+        })
+        .flatten();
+        match p {
+            Some(p) => p,
+            None => self.alloc_locked(size, align),
+        }
+    }
+
+    /// A medium free the cache's fast path declined: the stack is full, the table does not name
+    /// the block as one of its class, or the cache is not bound yet.
+    #[cfg(feature = "std")]
+    #[cold]
+    #[inline(never)]
+    fn free_medium_slow(&self, ptr: *mut u8, m: usize) {
+        let done = tcache::with(|tc| {
+            self.with_bound_cache(tc, |h| h.free_medium_to_cache(tc, m, ptr as usize))
+                .is_some()
+        });
+        if done != Some(true) {
+            self.free_locked(ptr);
+        }
+    }
+
     /// Runs `f` under the lock if the calling thread's cache `tc` is bound to this allocator,
     /// binding it first if it is unbound or its instance was dropped. `None` (nothing run) if the
     /// cache serves another live instance, the thread is exiting, caches are off, the arena is
@@ -2013,6 +2201,7 @@ impl GlobalBfc {
             tc.arena.set(h.small.arena());
             tc.arena_len.set(h.arena_end - h.small.arena());
             tc.classes.set(h.small.classes());
+            tc.medium.set(h.medium.entries());
             f(h)
         });
         if r.is_none() {
@@ -2199,7 +2388,12 @@ impl Heap {
             while idle != 0 {
                 let k = idle.trailing_zeros() as usize;
                 idle &= idle - 1;
-                self.flush_bin(tc, k, tc.count(k).div_ceil(2), false);
+                if k < tcache::MEDIUM_BIT {
+                    self.flush_bin(tc, k, tc.count(k).div_ceil(2), false);
+                } else {
+                    let m = k - tcache::MEDIUM_BIT;
+                    self.flush_medium(tc, m, tc.medium_count(m).div_ceil(2));
+                }
             }
         }
     }
@@ -2265,13 +2459,52 @@ impl Heap {
         }
     }
 
-    /// Empties the calling thread's cache `tc` into the slab layer (checked), with the transfer
-    /// cache.
+    /// Empties the calling thread's cache `tc` into the slab layer and the engine (checked), with
+    /// the transfer cache.
     fn flush_all(&mut self, tc: &ThreadCache) {
         for c in 0..small::NUM_CLASSES {
             self.flush_bin(tc, c, tc.count(c), false);
         }
+        for m in 0..medium::NUM_MEDIUM {
+            self.flush_medium(tc, m, tc.medium_count(m));
+        }
         self.drain_transfer();
+    }
+
+    /// Frees up to `n` blocks of medium class `m` from the calling thread's cache `tc` into the
+    /// engine (which checks that each is live, and coalesces it).
+    fn flush_medium(&mut self, tc: &ThreadCache, m: usize, n: usize) {
+        let mut buf = [0usize; medium::MEDIUM_BIN];
+        let k = tc.pop_medium_into(m, &mut buf[..n.min(medium::MEDIUM_BIN)]);
+        for &p in &buf[..k] {
+            self.free_engine(p);
+        }
+    }
+
+    /// The slow path of a medium free into the calling thread's cache `tc`: checks the block
+    /// against the table (a block it does not name as a class `m` one takes the checked
+    /// pointer-based free), makes room, and caches it.
+    fn free_medium_to_cache(&mut self, tc: &ThreadCache, m: usize, p: usize) {
+        if !self.medium.is(m, p) {
+            self.free(p as *mut u8);
+            return;
+        }
+        if tc.contains_medium(m, p) {
+            os::fatal(format_args!(
+                "double free of pointer {p:#x} (it is already in this thread's cache)"
+            ));
+        }
+        if tc.medium_count(m) >= medium::MEDIUM_BIN || !tc.medium_room(m) {
+            self.flush_medium(tc, m, tc.medium_count(m).div_ceil(2));
+        }
+        if tc.medium_room(m) {
+            tc.fill_medium(m, p);
+        } else {
+            // The budget is held by other classes' blocks: they leave as those classes are
+            // allocated again, or decay.
+            self.free_engine(p);
+        }
+        self.note_slow(tc, tcache::MEDIUM_BIT + m);
     }
 
     /// The slow path of a small free into the calling thread's cache `tc`: checks the block against
@@ -2317,6 +2550,26 @@ impl Heap {
                     });
                 }
                 if n > tcache::bin_capacity(c) || tc.has_duplicate(c) {
+                    return Err(CheckError {
+                        what: "thread cache stack overfull or holding a block twice",
+                        at: None,
+                    });
+                }
+            }
+            for m in 0..medium::NUM_MEDIUM {
+                let mut ok = true;
+                tc.walk_medium(m, |p| {
+                    ok &= self.medium.is(m, p)
+                        && self.bfc.usable_size(p) == Ok(medium::class_size(m));
+                });
+                if !ok {
+                    return Err(CheckError {
+                        what: "thread cache holds a block that is not a live medium block of its \
+                               class",
+                        at: None,
+                    });
+                }
+                if tc.has_duplicate_medium(m) {
                     return Err(CheckError {
                         what: "thread cache stack overfull or holding a block twice",
                         at: None,

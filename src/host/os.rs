@@ -136,6 +136,22 @@ pub(crate) unsafe fn commit(ptr: usize, size: usize) -> bool {
     }
 }
 
+/// Makes `ptr..ptr + size` (page-aligned, inside a [`reserve_uncommitted`] reservation)
+/// readable but not writable: reads see zeros (the kernel's shared zero page) and cost no commit
+/// charge; [`commit`] makes parts of it writable. Returns whether the kernel agreed.
+///
+/// # Safety
+/// The range is page-aligned and inside a mapping made by [`reserve_uncommitted`], not yet
+/// committed.
+#[must_use = "the range is readable only if this worked"]
+pub(crate) unsafe fn make_readable(ptr: usize, size: usize) -> bool {
+    if cfg!(miri) || size == 0 {
+        return true;
+    }
+    // SAFETY: guaranteed by the caller: the range is part of our own reservation, holding no data.
+    unsafe { libc::mprotect(ptr as *mut libc::c_void, size, libc::PROT_READ) == 0 }
+}
+
 /// Makes `ptr..ptr + size` inaccessible again, as [`reserve_uncommitted`] left it: a new
 /// `PROT_NONE` mapping replaces it, so its pages go back to the kernel and neither the commit
 /// charge of `vm.overcommit_memory = 2` nor `RLIMIT_DATA` counts it any more (taking write access

@@ -27,8 +27,20 @@
 //! **Bounds.** A class's stack holds at most [`bin_capacity`] blocks: about 16 KiB of blocks, at least
 //! 16 (8 for the classes above 4 KiB) and at most 128 of them (128 for the classes up to 128 B, 2 to
 //! 16 KiB; 16 from 1 KiB to 4 KiB, 20 to 64 KiB; 8 above, 40 to 128 KiB), so one thread caches at
-//! most [`MAX_CACHED_BYTES`] (1,199 KiB). The stacks take 15 KiB of thread-local storage per
-//! thread.
+//! most 1,199 KiB of small blocks. The stacks take 15 KiB of thread-local storage per thread.
+//!
+//! **Medium blocks** (engine blocks of a medium class, 20 to 64 KiB: see `medium.rs`) have stacks of
+//! their own, of [`MEDIUM_BIN`] (4) blocks per class and at most [`MEDIUM_BUDGET`] (512 KiB) in all,
+//! so a thread caches at most [`MAX_CACHED_BYTES`] (1,711 KiB, small and medium). A medium
+//! allocation the stack cannot serve takes one block from the engine under the lock (no batch: the
+//! engine splits blocks from free memory of any size, and a batch would only hold it); a free that
+//! finds the stack or the budget full gives half the class's stack back to the engine (or the block
+//! itself, when other classes hold the budget). A free joins a stack only if the heap's medium table,
+//! read without the lock, names the block as a live block of the class its layout says
+//! ([`ThreadCache::plausible_medium`]); any other goes to the checked pointer-based free. Decay,
+//! exit flushes and `flush_thread_cache` treat them like small classes, giving them back to the
+//! engine, which checks that each is live (a double free not caught at the free is caught there,
+//! unless the block was handed out again first).
 //!
 //! **Double frees.** A free of the block on top of its stack (a block freed twice in a row on one
 //! thread, with no flush or decay of its class between the two frees) is caught at once. Any other
@@ -59,8 +71,11 @@
 
 use core::cell::Cell;
 
+use super::medium::{self, MEDIUM_BIN, MEDIUM_BUDGET, NUM_MEDIUM, WINDOW_SHIFT};
 use super::small::{class_size, NUM_CLASSES, SPAN, SPAN_SHIFT};
 use crate::sync::{AtomicBool, AtomicUsize, Ordering};
+/// The medium table is read the same way (see `medium.rs`).
+use core::sync::atomic::AtomicU16;
 /// The counts are statistics: written by the owner with plain stores and summed by `stats()`; no
 /// ordering is relied on, so loom need not model them (modelling them would make every cached
 /// block a scheduling point).
@@ -151,7 +166,8 @@ const STACK: [usize; NUM_CLASSES] = {
 /// Length of [`ThreadCache::slots`]: the stacks and their guards.
 const CACHE_SLOTS: usize = SLOTS + NUM_CLASSES;
 
-/// Most bytes one thread's cache holds (the sum of every class's capacity times its size).
+/// Most bytes one thread's cache holds (the sum of every class's capacity times its size, small
+/// and medium).
 pub const MAX_CACHED_BYTES: usize = {
     let mut sum = 0;
     let mut c = 0;
@@ -159,7 +175,17 @@ pub const MAX_CACHED_BYTES: usize = {
         sum += bin_capacity(c) * class_size(c);
         c += 1;
     }
-    sum
+    let mut medium_sum = 0;
+    let mut m = 0;
+    while m < NUM_MEDIUM {
+        medium_sum += MEDIUM_BIN * medium::class_size(m);
+        m += 1;
+    }
+    sum + if medium_sum < MEDIUM_BUDGET {
+        medium_sum
+    } else {
+        MEDIUM_BUDGET
+    }
 };
 
 /// Most blocks moved per refill or flush.
@@ -175,8 +201,14 @@ pub(crate) const fn batch(c: usize) -> usize {
 /// the end of each period, every class that had none of them gives back half its blocks.
 pub(crate) const DECAY_PERIOD: u32 = 256;
 
+/// Bit of medium class `m` in `ThreadCache::active` and in the classes [`ThreadCache::note_slow`]
+/// returns is `MEDIUM_BIT + m`; small class `c`'s is `c`.
+pub(crate) const MEDIUM_BIT: usize = NUM_CLASSES;
+/// Bits in `ThreadCache::active`.
+const ACTIVE_BITS: usize = NUM_CLASSES + NUM_MEDIUM;
+
 // One bit per class in `ThreadCache::active`.
-static_assertions::const_assert!(NUM_CLASSES <= 64);
+static_assertions::const_assert!(ACTIVE_BITS <= 64);
 
 /// One thread's cache. See the module docs.
 pub(crate) struct ThreadCache {
@@ -203,9 +235,20 @@ pub(crate) struct ThreadCache {
     /// The stacks: class `c`'s is `slots[STACK[c]..STACK[c] + counts[c]]`, top last;
     /// `slots[STACK[c] - 1]` is 0.
     slots: [Cell<usize>; CACHE_SLOTS],
+    /// The bound instance's medium table (one entry per 16 KiB of `arena_len`; see `medium.rs`),
+    /// alive as long as the instance.
+    pub(crate) medium: Cell<*const AtomicU16>,
+    /// Blocks on each medium class's stack (statistics for other threads, like `counts`).
+    medium_counts: [AtomicU32; NUM_MEDIUM],
+    /// The medium stacks: class `m`'s is `medium_slots[m * MEDIUM_BIN..][..medium_counts[m]]`, top
+    /// last.
+    medium_slots: [Cell<usize>; NUM_MEDIUM * MEDIUM_BIN],
+    /// Bytes of the medium stacks' blocks (owner thread only).
+    medium_bytes: Cell<usize>,
     /// Slow-path events in the current decay period (owner thread only).
     events: Cell<u32>,
-    /// Bit `c`: class `c` had a slow-path event in the current decay period (owner thread only).
+    /// Bit `c` (`MEDIUM_BIT + m`): small class `c` (medium class `m`) had a slow-path event in the
+    /// current decay period (owner thread only).
     active: Cell<u64>,
 }
 
@@ -224,6 +267,10 @@ impl ThreadCache {
                 next: AtomicUsize::new(0),
                 counts: [const { AtomicU32::new(0) }; NUM_CLASSES],
                 slots: [const { Cell::new(0) }; CACHE_SLOTS],
+                medium: Cell::new(core::ptr::null()),
+                medium_counts: [const { AtomicU32::new(0) }; NUM_MEDIUM],
+                medium_slots: [const { Cell::new(0) }; NUM_MEDIUM * MEDIUM_BIN],
+                medium_bytes: Cell::new(0),
                 events: Cell::new(0),
                 active: Cell::new(0),
             }
@@ -365,6 +412,132 @@ impl ThreadCache {
         found
     }
 
+    /// Blocks on medium class `m`'s stack (any thread).
+    #[inline(always)]
+    pub(crate) fn medium_count(&self, m: usize) -> usize {
+        self.medium_counts[m].load(CountOrdering::Relaxed) as usize
+    }
+
+    #[inline(always)]
+    fn set_medium_count(&self, m: usize, n: usize) {
+        self.medium_counts[m].store(n as u32, CountOrdering::Relaxed);
+    }
+
+    /// Slot `i` of medium class `m`'s stack.
+    #[inline(always)]
+    fn medium_slot(&self, m: usize, i: usize) -> &Cell<usize> {
+        debug_assert!(m < NUM_MEDIUM && i < MEDIUM_BIN);
+        // SAFETY: `m < NUM_MEDIUM` (a class from `medium::class_for` or a loop over the classes)
+        // and `i < MEDIUM_BIN` (callers index below the count, which never exceeds `MEDIUM_BIN`,
+        // or at the count after checking it is below), so the index is inside `medium_slots`.
+        unsafe { self.medium_slots.get_unchecked(m * MEDIUM_BIN + i) }
+    }
+
+    /// Pops a medium block of class `m` (owner thread only).
+    #[inline(always)]
+    pub(crate) fn pop_medium(&self, m: usize) -> Option<usize> {
+        let n = self.medium_count(m);
+        if n == 0 {
+            return None;
+        }
+        let p = self.medium_slot(m, n - 1).get();
+        self.set_medium_count(m, n - 1);
+        self.medium_bytes
+            .set(self.medium_bytes.get() - medium::class_size(m));
+        Some(p)
+    }
+
+    /// Whether a block of medium class `m` fits the medium stacks' byte budget.
+    #[inline(always)]
+    pub(crate) fn medium_room(&self, m: usize) -> bool {
+        self.medium_bytes.get() + medium::class_size(m) <= MEDIUM_BUDGET
+    }
+
+    /// Pushes a medium block the caller frees (owner thread only). `false` (nothing changed) when
+    /// the slow path must see it: the stack or the budget is full, the table does not name the
+    /// block as a class `m` block of the instance, or it is the block on top of the stack (freed
+    /// twice in a row).
+    #[inline(always)]
+    pub(crate) fn push_medium(&self, m: usize, p: usize) -> bool {
+        let n = self.medium_count(m);
+        if n >= MEDIUM_BIN
+            || !self.medium_room(m)
+            || !self.plausible_medium(m, p)
+            || (n > 0 && self.medium_slot(m, n - 1).get() == p)
+        {
+            return false;
+        }
+        self.medium_slot(m, n).set(p);
+        self.set_medium_count(m, n + 1);
+        self.medium_bytes
+            .set(self.medium_bytes.get() + medium::class_size(m));
+        true
+    }
+
+    /// Whether the bound instance's medium table names `p` as a live class `m` block (see
+    /// `medium.rs`). Owner thread only, while the bound instance is alive; `p` is a block the
+    /// caller frees or resizes.
+    #[inline(always)]
+    pub(crate) fn plausible_medium(&self, m: usize, p: usize) -> bool {
+        let offset = p.wrapping_sub(self.arena.get());
+        offset < self.arena_len.get()
+            // SAFETY: `offset` is inside the arena, so its 16 KiB window has an entry in the
+            // table, which lives as long as the instance this cache is bound to (the caller's).
+            && unsafe { &*self.medium.get().add(offset >> WINDOW_SHIFT) }.load(Relaxed)
+                == medium::entry(m, p)
+    }
+
+    /// Adds a medium block without checks (a slow-path free that was checked under the lock). The
+    /// stack must have room.
+    pub(crate) fn fill_medium(&self, m: usize, p: usize) {
+        let n = self.medium_count(m);
+        if n >= MEDIUM_BIN || !self.medium_room(m) {
+            // Callers make room first; reaching this is a bug, and writing on would corrupt the
+            // next class's stack.
+            super::os::fatal(format_args!("thread cache overfilled (medium class {m})"));
+        }
+        self.medium_slot(m, n).set(p);
+        self.set_medium_count(m, n + 1);
+        self.medium_bytes
+            .set(self.medium_bytes.get() + medium::class_size(m));
+    }
+
+    /// Pops up to `out.len()` blocks of medium class `m` into `out` (owner thread only); returns
+    /// how many.
+    pub(crate) fn pop_medium_into(&self, m: usize, out: &mut [usize]) -> usize {
+        let n = self.medium_count(m);
+        let k = n.min(out.len());
+        for (j, o) in out[..k].iter_mut().enumerate() {
+            *o = self.medium_slot(m, n - 1 - j).get();
+        }
+        self.set_medium_count(m, n - k);
+        self.medium_bytes
+            .set(self.medium_bytes.get() - k * medium::class_size(m));
+        k
+    }
+
+    /// Calls `f` on the blocks of medium class `m`'s stack (owner thread only).
+    pub(crate) fn walk_medium(&self, m: usize, mut f: impl FnMut(usize)) {
+        for i in 0..self.medium_count(m) {
+            f(self.medium_slot(m, i).get());
+        }
+    }
+
+    /// Whether `p` is on medium class `m`'s stack (owner thread only).
+    pub(crate) fn contains_medium(&self, m: usize, p: usize) -> bool {
+        let mut found = false;
+        self.walk_medium(m, |q| found |= q == p);
+        found
+    }
+
+    /// Whether some block is twice on medium class `m`'s stack (owner thread only).
+    pub(crate) fn has_duplicate_medium(&self, m: usize) -> bool {
+        let n = self.medium_count(m);
+        (0..n).any(|i| {
+            (i + 1..n).any(|j| self.medium_slot(m, i).get() == self.medium_slot(m, j).get())
+        })
+    }
+
     /// `(bytes, blocks)` held (any thread: reads the counts only).
     pub(crate) fn held(&self) -> (usize, usize) {
         let mut bytes = 0;
@@ -374,12 +547,17 @@ impl ThreadCache {
             bytes += n * class_size(c);
             blocks += n;
         }
+        for m in 0..NUM_MEDIUM {
+            let n = self.medium_count(m);
+            bytes += n * medium::class_size(m);
+            blocks += n;
+        }
         (bytes, blocks)
     }
 
-    /// Notes a slow-path event (a refill or a flush) of class `c` (owner thread only). At the end
-    /// of a decay period, returns the classes that had no such event in it (bit `c` for class
-    /// `c`), and starts the next period.
+    /// Notes a slow-path event (a refill or a flush) of the class with bit `c` (see [`MEDIUM_BIT`];
+    /// owner thread only). At the end of a decay period, returns the classes that had no such
+    /// event in it (by their bits), and starts the next period.
     pub(crate) fn note_slow(&self, c: usize) -> Option<u64> {
         let active = self.active.get() | 1 << c;
         let events = self.events.get() + 1;
@@ -390,7 +568,7 @@ impl ThreadCache {
         }
         self.events.set(0);
         self.active.set(0);
-        Some(!active & (u64::MAX >> (64 - NUM_CLASSES)))
+        Some(!active & (u64::MAX >> (64 - ACTIVE_BITS)))
     }
 
     /// Forgets every block (their instance is gone) and unbinds.
@@ -398,6 +576,10 @@ impl ThreadCache {
         for c in 0..NUM_CLASSES {
             self.set_count(c, 0);
         }
+        for m in 0..NUM_MEDIUM {
+            self.set_medium_count(m, 0);
+        }
+        self.medium_bytes.set(0);
         self.events.set(0);
         self.active.set(0);
         self.owner.set(UNBOUND);
@@ -614,14 +796,14 @@ mod tests {
             assert!(batch(c) >= 4);
         }
         // The figures the module docs and the README quote.
-        assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 1199);
+        assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 1199 + 512);
         assert_eq!((CACHE_SLOTS * 8).div_ceil(1024), 15);
     }
 
     #[test]
     fn a_decay_period_names_the_classes_without_slow_events() {
         let tc = ThreadCache::new();
-        let all = (1u64 << NUM_CLASSES) - 1;
+        let all = (1u64 << ACTIVE_BITS) - 1;
         for period in 0..3 {
             // Classes 2 and the last are used, once and twice; the rest idle.
             let last = NUM_CLASSES - 1;

@@ -457,9 +457,10 @@ fn the_recorded_end_of_touched_memory_covers_whole_blocks() {
     // A request that is not a multiple of the granule gets a larger block; its caller may write
     // all of it (`usable_size`), so the heap's end of touched memory must cover it.
     let a = small_instance();
-    // Engine blocks: above the slab limit.
+    // Engine blocks of the requested size: above the slab limit, aligned beyond the medium
+    // classes' 16 bytes.
     let (size, grown) = (small::SMALL_MAX + 905, small::SMALL_MAX + 4905);
-    let layout = Layout::from_size_align(size, 8).unwrap();
+    let layout = Layout::from_size_align(size, 32).unwrap();
     // SAFETY: a non-zero size.
     let p = unsafe { a.alloc(layout) };
     assert!(!p.is_null());
@@ -471,7 +472,7 @@ fn the_recorded_end_of_touched_memory_covers_whole_blocks() {
     assert_eq!(a.usable_size(q), Some(grown + 7));
     assert_eq!(a.check(), Ok(()));
     // SAFETY: `q` came from the realloc above, with the new size.
-    unsafe { a.dealloc(q, Layout::from_size_align(grown, 8).unwrap()) };
+    unsafe { a.dealloc(q, Layout::from_size_align(grown, 32).unwrap()) };
 }
 
 /// How many of the pages of `p..p + len` (page-aligned) are resident.
@@ -484,8 +485,8 @@ fn resident_pages(p: *mut u8, len: usize) -> usize {
     v.iter().filter(|&&b| b & 1 != 0).count()
 }
 
-/// `check()` reports memory in use past what is committed: the arena below `brk`, the map and
-/// span entries of the committed arena, the chunk records touched.
+/// `check()` reports memory in use past what is committed: the arena below `brk`, the map, span
+/// and medium-table entries of the committed arena, the chunk records touched.
 #[test]
 fn check_reports_use_past_the_committed_parts() {
     let a = GlobalBfc::with_config(HostConfig {
@@ -503,7 +504,7 @@ fn check_reports_use_past_the_committed_parts() {
     // Each part, the bytes of it the heap uses now, and what `check()` says without them.
     type Part = fn(&mut HostSource) -> &mut Prefix;
     type Need = fn(&Heap) -> usize;
-    let parts: [(Part, Need, &str); 4] = [
+    let parts: [(Part, Need, &str); 5] = [
         (
             |s| &mut s.arena_commit,
             |h| h.brk - h.bfc.source().arena,
@@ -517,7 +518,7 @@ fn check_reports_use_past_the_committed_parts() {
                     .described_by(h.bfc.source().arena_commit.done)
                     .0
             },
-            "pointer map or span table",
+            "not committed as far as the arena",
         ),
         (
             |s| &mut s.spans_commit,
@@ -527,7 +528,17 @@ fn check_reports_use_past_the_committed_parts() {
                     .described_by(h.bfc.source().arena_commit.done)
                     .1
             },
-            "pointer map or span table",
+            "not committed as far as the arena",
+        ),
+        (
+            |s| &mut s.medium_commit,
+            |h| {
+                h.bfc
+                    .source()
+                    .described_by(h.bfc.source().arena_commit.done)
+                    .2
+            },
+            "not committed as far as the arena",
         ),
         (
             |s| &mut s.table_commit,
@@ -578,8 +589,8 @@ fn bytes_in_maps(lo: usize, hi: usize, keep: impl Fn(&str) -> bool) -> usize {
 }
 
 /// Only what the heap reached is accessible: the arena's committed prefix follows its highest
-/// block in 2 MiB steps, and so do the pointer map, the span table and the chunk table; the
-/// rest of each reservation stays `PROT_NONE` (no commit charge under strict overcommit, not
+/// block in 2 MiB steps, and so do the pointer map, the span table, the medium table and the chunk
+/// table; the rest of each reservation stays `PROT_NONE` (the medium table's read-only) (no commit charge under strict overcommit, not
 /// counted by `RLIMIT_DATA`). When the free top goes back to the kernel, the committed prefix
 /// follows it down; a free elsewhere keeps its memory committed for reuse.
 #[test]
@@ -595,7 +606,12 @@ fn only_what_the_heap_reached_is_committed() {
             let s = h.bfc.source();
             (
                 s.arena_commit,
-                [s.map_commit, s.table_commit, s.spans_commit],
+                [
+                    s.map_commit,
+                    s.table_commit,
+                    s.spans_commit,
+                    s.medium_commit,
+                ],
             )
         })
         .unwrap()
@@ -606,6 +622,14 @@ fn only_what_the_heap_reached_is_committed() {
             assert!(p.done < p.len, "a whole part is committed");
             assert_eq!(accessible_bytes(p.at, p.at + p.len), p.done);
         }
+        // The medium table's rest is readable (thread caches read any entry), not writable.
+        let medium = meta[3];
+        assert_eq!(
+            bytes_in_maps(medium.at + medium.done, medium.at + medium.len, |perms| {
+                perms.starts_with("r-")
+            }),
+            medium.len - medium.done
+        );
         // The arena's commit moves (up and down) in whole steps.
         assert_eq!(
             arena.done % super::arena::COMMIT_STEP,
@@ -897,7 +921,8 @@ unsafe fn filled_with(p: *const u8, len: usize, byte: u8) -> bool {
         .all(|&b| b == byte)
 }
 
-/// The neighbour of [`block_beside_a_neighbour`]: an engine block (just above the slab limit).
+/// The neighbour of [`block_beside_a_neighbour`]: an engine block (just above the slab limit, a
+/// medium block).
 fn neighbour() -> Layout {
     Layout::from_size_align(small::SMALL_MAX + 904, 8).unwrap()
 }
@@ -906,6 +931,9 @@ fn neighbour() -> Layout {
 /// block, all of its usable size, with 0xa5 and the neighbour with 0x5a. Returns the block, its
 /// usable size and the neighbour; the caller frees both.
 fn block_beside_a_neighbour(a: &GlobalBfc, layout: Layout) -> (*mut u8, usize, *mut u8) {
+    // An earlier neighbour waiting in this thread's cache would be handed out again, wherever it
+    // lies.
+    a.flush_thread_cache();
     // SAFETY: non-zero sizes.
     let (p, n) = unsafe { (a.alloc(layout), a.alloc(neighbour())) };
     assert!(!p.is_null() && !n.is_null());
@@ -1864,6 +1892,7 @@ fn blocks_up_to_16_kib_come_from_slabs() {
         (14_337, 8, Some(16384)),
         (small::SMALL_MAX, 8, Some(small::SMALL_MAX)),
         (small::SMALL_MAX + 1, 8, None),
+        (small::SMALL_MAX + 1, 32, None),
         (5000, 8192, None),
     ];
     let mut blocks = std::vec::Vec::new();
@@ -1883,8 +1912,10 @@ fn blocks_up_to_16_kib_come_from_slabs() {
             "{size} B aligned to {align}"
         );
         if class.is_none() {
-            // An engine block: the request rounded up to the granule.
-            assert_eq!(a.usable_size(p), Some(size.next_multiple_of(16)));
+            // An engine block: a medium class's size, or the request rounded up to the granule.
+            let want = medium::class_for(size, align)
+                .map_or(size.next_multiple_of(16), medium::class_size);
+            assert_eq!(a.usable_size(p), Some(want));
         } else {
             assert_eq!(a.usable_size(p), class);
         }
@@ -2081,5 +2112,282 @@ fn a_refill_makes_no_span_only_to_fill_the_cache() {
     assert_eq!(a.stats().bytes_cached, 3 * small::SMALL_MAX);
     // SAFETY: `p` came from `a` with `l`.
     unsafe { a.dealloc(p, l) };
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A layout of `size` bytes at `align`.
+fn layout(size: usize, align: usize) -> Layout {
+    Layout::from_size_align(size, align).unwrap()
+}
+
+/// Allocates a block of `l` from `a` (asserted non-null).
+fn alloc_ok(a: &GlobalBfc, l: Layout) -> *mut u8 {
+    // SAFETY: every layout these tests use has a non-zero size.
+    let p = unsafe { a.alloc(l) };
+    assert!(!p.is_null(), "{l:?}");
+    p
+}
+
+/// Medium blocks (above 16 KiB, at most 64 KiB, aligned to at most 16 bytes) take their class's
+/// size; a freed one waits in the thread's cache, still the engine's, and is handed out again for
+/// any request of its class without the engine (the allocation count stays put); another class
+/// gets another block.
+#[test]
+fn medium_blocks_are_cached_and_reused_by_their_class() {
+    let a = small_instance();
+    let l = layout(small::SMALL_MAX + 1, 8);
+    let p = alloc_ok(&a, l);
+    assert_eq!(a.usable_size(p), Some(20 << 10));
+    // SAFETY: `p` came from `a` with `l` and is freed once.
+    unsafe { a.dealloc(p, l) };
+    assert_eq!(a.thread_cache_bytes(), 20 << 10);
+    let s = a.stats();
+    assert_eq!((s.bytes_in_use, s.num_chunks_in_use), (0, 0));
+    assert_eq!(s.bytes_cached, 20 << 10);
+    assert_eq!(a.usable_size(p), Some(20 << 10));
+    assert_eq!(a.check(), Ok(()));
+    let same = layout(20 << 10, 16);
+    assert_eq!(alloc_ok(&a, same), p);
+    assert_eq!(a.stats().num_allocs, s.num_allocs);
+    assert_eq!(a.thread_cache_bytes(), 0);
+    let other = layout(30_000, 8);
+    let r = alloc_ok(&a, other);
+    assert_ne!(r, p);
+    assert_eq!(a.usable_size(r), Some(32 << 10));
+    assert_eq!(a.stats().num_allocs, s.num_allocs + 1);
+    // Aligned beyond 16 bytes: an engine block of the request's size, not cached.
+    let aligned = layout(30_000, 64);
+    let e = alloc_ok(&a, aligned);
+    assert_eq!(a.usable_size(e), Some(30_000));
+    // SAFETY: each block came from `a` with its layout and is freed once.
+    unsafe {
+        a.dealloc(p, same);
+        a.dealloc(r, other);
+        a.dealloc(e, aligned);
+    }
+    assert_eq!(a.thread_cache_bytes(), (20 << 10) + (32 << 10));
+    assert_eq!(a.usable_size(e), None);
+    assert_eq!(a.check(), Ok(()));
+    assert_eq!(a.flush_thread_cache(), 2);
+    assert_eq!((a.usable_size(p), a.usable_size(r)), (None, None));
+    assert_eq!(a.stats().bytes_cached, 0);
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A thread caches at most `MEDIUM_BIN` blocks of a medium class and `MEDIUM_BUDGET` bytes of
+/// them in all; the rest go back to the engine, and every block is accounted for.
+#[test]
+fn medium_caches_are_bounded() {
+    let a = small_instance();
+    let mut blocks = std::vec::Vec::new();
+    for m in 0..medium::NUM_MEDIUM {
+        let l = layout(medium::class_size(m), 16);
+        for _ in 0..2 * medium::MEDIUM_BIN {
+            blocks.push((alloc_ok(&a, l), l));
+        }
+    }
+    for &(p, l) in &blocks {
+        // SAFETY: each block came from `a` with `l` and is freed once.
+        unsafe { a.dealloc(p, l) };
+        assert!(a.thread_cache_bytes() <= medium::MEDIUM_BUDGET);
+        let counts = tcache::with(|tc| {
+            (0..medium::NUM_MEDIUM)
+                .map(|m| tc.medium_count(m))
+                .max()
+                .unwrap()
+        });
+        assert!(counts.unwrap() <= medium::MEDIUM_BIN);
+    }
+    let cached = a.thread_cache_bytes();
+    // The budget is nearly used: no class's block fits beside the cached ones.
+    assert!(cached + (64 << 10) > medium::MEDIUM_BUDGET, "{cached}");
+    let s = a.stats();
+    assert_eq!((s.bytes_in_use, s.bytes_cached), (0, cached));
+    assert_eq!(a.check(), Ok(()));
+    a.flush_thread_cache();
+    assert_eq!(a.stats().bytes_cached, 0);
+    for &(p, _) in &blocks {
+        assert_eq!(a.usable_size(p), None, "{p:p} still held");
+    }
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A medium block resized in place is cached by the class of its new size, and one grown past
+/// 64 KiB is an engine block again (its table entry goes: `check` would find it stale).
+#[test]
+fn resized_medium_blocks_are_cached_by_their_new_class() {
+    let a = small_instance();
+    let l = layout(17_000, 8);
+    let p = alloc_ok(&a, l);
+    // Within the class: in place, without the lock.
+    // SAFETY: `p` came from `a` with the layout passed, each realloc with the one before.
+    let q = unsafe { a.realloc(p, l, 20_000) };
+    assert_eq!(q, p);
+    // Into the next class, in place (the free top follows the block).
+    // SAFETY: as above.
+    let r = unsafe { a.realloc(p, layout(20_000, 8), 30_000) };
+    assert_eq!(r, p);
+    assert_eq!(a.usable_size(p), Some(32 << 10));
+    assert_eq!(a.check(), Ok(()));
+    // SAFETY: `p` has the layout of its last realloc; freed once.
+    unsafe { a.dealloc(p, layout(30_000, 8)) };
+    assert_eq!(a.thread_cache_bytes(), 32 << 10);
+    let again = layout(32 << 10, 16);
+    assert_eq!(alloc_ok(&a, again), p);
+    // Past the medium classes, in place.
+    // SAFETY: as above.
+    let g = unsafe { a.realloc(p, again, 100_000) };
+    assert_eq!(g, p);
+    assert_eq!(a.usable_size(p), Some(100_000));
+    assert_eq!(a.check(), Ok(()));
+    // And back into a class: shrunk in place to the class's size.
+    // SAFETY: as above.
+    let s = unsafe { a.realloc(p, layout(100_000, 8), 40_000) };
+    assert_eq!(s, p);
+    assert_eq!(a.usable_size(p), Some(40 << 10));
+    assert_eq!(a.check(), Ok(()));
+    // SAFETY: as above.
+    unsafe { a.dealloc(p, layout(40_000, 8)) };
+    assert_eq!(a.thread_cache_bytes(), 40 << 10);
+    a.flush_thread_cache();
+    assert_eq!(a.stats().bytes_in_use, 0);
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A medium block freed with the layout of another medium class is not cached under that class
+/// (the table names its own): it takes the pointer-based free.
+#[test]
+fn a_medium_block_freed_with_another_class_is_not_cached() {
+    let a = small_instance();
+    let p = alloc_ok(&a, layout(20_000, 8));
+    // SAFETY: `p` came from `a` and is freed once (with a layout of the wrong class on purpose:
+    // the heap frees engine blocks by their pointer).
+    unsafe { a.dealloc(p, layout(60_000, 8)) };
+    assert_eq!(a.thread_cache_bytes(), 0);
+    assert_eq!(a.usable_size(p), None);
+    assert_eq!(a.stats().bytes_in_use, 0);
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// `check` finds a medium table entry that names no live block of its class, and a cached
+/// medium block the table does not name.
+#[test]
+fn check_finds_wrong_medium_entries() {
+    let a = small_instance();
+    let l = layout(40_000, 8);
+    let p = alloc_ok(&a, l);
+    let m = medium::class_for(40_000, 8).unwrap();
+    let set = |class: usize| a.with_heap(|h| h.medium.set(class, p as usize)).unwrap();
+    set(0);
+    let e = a.check().unwrap_err();
+    assert_eq!(
+        (e.what, e.at),
+        (
+            "the medium table names a block that is not a live block of its class",
+            Some(p as usize)
+        )
+    );
+    set(m);
+    assert_eq!(a.check(), Ok(()));
+    // SAFETY: `p` came from `a` with `l` and is freed once.
+    unsafe { a.dealloc(p, l) };
+    a.with_heap(|h| h.medium.clear(p as usize)).unwrap();
+    let e = a.check().unwrap_err();
+    assert_eq!(
+        e.what,
+        "thread cache holds a block that is not a live medium block of its class"
+    );
+    set(m);
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A medium block freed twice in a row on one thread is caught at the second free.
+#[test]
+#[cfg_attr(miri, ignore = "spawns a child process")]
+fn a_medium_block_freed_twice_aborts() {
+    let case = "a_medium_block_freed_twice_aborts";
+    if is_child(case) {
+        let a = small_instance();
+        let l = layout(30_000, 8);
+        let p = alloc_ok(&a, l);
+        // SAFETY: the first free is valid; the second is the error under test.
+        unsafe {
+            a.dealloc(p, l);
+            a.dealloc(p, l);
+        }
+        std::println!("child survived");
+        return;
+    }
+    assert_child_aborts("host::tests", case, "already in this thread's cache");
+}
+
+/// `alloc_zeroed` takes a cached medium block too, and writes it whole.
+#[test]
+fn zeroed_medium_blocks_from_the_cache_are_zero() {
+    let a = small_instance();
+    let l = layout(50_000, 8);
+    let p = alloc_ok(&a, l);
+    // SAFETY: the block holds its class's 56 KiB; it came from `a` with `l` and is freed once.
+    unsafe {
+        p.write_bytes(0xa5, 56 << 10);
+        a.dealloc(p, l);
+    }
+    // SAFETY: a non-zero size.
+    let z = unsafe { a.alloc_zeroed(l) };
+    assert_eq!(z, p);
+    // SAFETY: `z` holds `l.size()` bytes; it came from `a` with `l` and is freed once.
+    unsafe {
+        assert!(filled_with(z, l.size(), 0), "old data");
+        a.dealloc(z, l);
+    }
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A thread's cached medium blocks, including one another thread allocated, go back to the engine
+/// when it exits.
+#[test]
+fn an_exiting_thread_gives_back_its_medium_blocks() {
+    let a = std::sync::Arc::new(small_instance());
+    let l = layout(24_000, 8);
+    let p = alloc_ok(&a, l) as usize;
+    let b = a.clone();
+    std::thread::spawn(move || {
+        let q = alloc_ok(&b, l);
+        // SAFETY: each block came from `b` (the same allocator) with `l` and is freed once.
+        unsafe {
+            b.dealloc(q, l);
+            b.dealloc(p as *mut u8, l);
+        }
+        assert_eq!(b.thread_cache_bytes(), 2 * (24 << 10));
+    })
+    .join()
+    .unwrap();
+    let s = a.stats();
+    assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 0));
+    assert_eq!(a.usable_size(p as *const u8), None);
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A medium class with no refill or flush in a decay period gives back half its blocks.
+#[test]
+fn idle_medium_classes_decay() {
+    let a = small_instance();
+    let l = layout(40_000, 8);
+    let m = medium::class_for(40_000, 8).unwrap();
+    let blocks: std::vec::Vec<*mut u8> = (0..4).map(|_| alloc_ok(&a, l)).collect();
+    for &p in &blocks {
+        // SAFETY: each came from `a` with `l` and is freed once.
+        unsafe { a.dealloc(p, l) };
+    }
+    tcache::with(|tc| {
+        assert_eq!(tc.medium_count(m), 4);
+        // Slow-path events of another class: the period the four allocations (misses of class
+        // `m`) began ends with `m` active, the next one without.
+        for _ in 0..2 * tcache::DECAY_PERIOD {
+            a.with_heap(|h| h.note_slow(tc, 0)).unwrap();
+        }
+        assert_eq!(tc.medium_count(m), 2);
+    })
+    .unwrap();
     assert_eq!(a.check(), Ok(()));
 }

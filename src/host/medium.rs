@@ -1,0 +1,209 @@
+//! Medium blocks (`std` builds): engine blocks of 16..64 KiB that thread caches keep for reuse.
+//!
+//! A request above the slab layer's 16 KiB and at most [`MEDIUM_MAX`] (64 KiB), aligned to at most
+//! [`MEDIUM_ALIGN`] (16 bytes), is rounded up to one of [`NUM_MEDIUM`] classes (four per power of
+//! two: 20, 24, 28, 32, 40, 48, 56 and 64 KiB) and served by the engine as a block of exactly that
+//! size at a 16-byte boundary. Such a block is interchangeable with any other of its class, so a
+//! thread's cache keeps a few freed ones per class and hands them out again without the lock, the
+//! engine's best-fit search, its splitting or its coalescing (about 900 instructions for an engine
+//! allocation and free against 50; bench-peers `med`). The engine still coalesces every block the
+//! caches give back, and a cache holds at most [`MEDIUM_BIN`] (4) blocks per class and
+//! [`MEDIUM_BUDGET`] (512 KiB) of them in all.
+//!
+//! **The table.** A freed block may join a cache only if it is what its layout says: a live
+//! medium block of that class, rounded as above. Its layout alone cannot say so (a block resized in
+//! place, or a wrong layout), and the engine's records need the lock. So the heap keeps a lock-free
+//! table with one 16-bit entry per 16 KiB window of the arena: for a window in which a medium block
+//! starts, the block's class and its offset in the window ([`entry`]); 0 elsewhere. Every engine
+//! block above 16 KiB starts in a window of its own (two such blocks' starts are more than 16 KiB
+//! apart), so the entry names that block alone (a smaller engine block, one aligned beyond the slab
+//! layer, may start in the same window: the entry's offset tells them apart). The heap writes
+//! entries under its lock: when it hands out a medium block of exactly its class size, and (to 0)
+//! when the engine frees the block the entry names or resizes it in place (then, if the new size is
+//! a class size, it writes the new class). A thread freeing a block reads the entry of the block's window: the block is live and
+//! the freeing thread owns it, so the entry written when it was handed out is there (what handed the
+//! block over to that thread ordered that write before this read), and no other block's entry can
+//! replace it while the block lives. A cached block keeps its entry: it is still live to the engine.
+//!
+//! The table takes 2 bytes per 16 KiB of arena (8 MiB for a 64 GiB arena), committed at
+//! initialisation with the span class table and touched only where medium blocks start.
+
+use core::sync::atomic::{AtomicU16, Ordering::Relaxed};
+
+use super::small::SMALL_MAX;
+
+/// Largest medium request.
+pub(crate) const MEDIUM_MAX: usize = 64 << 10;
+/// Largest alignment of a medium request; every medium block is aligned to it.
+pub(crate) const MEDIUM_ALIGN: usize = 16;
+/// Bytes per table entry's window.
+pub(crate) const WINDOW_SHIFT: u32 = 14;
+/// Most blocks one class's stack in a thread cache holds.
+pub(crate) const MEDIUM_BIN: usize = 4;
+/// Most bytes of medium blocks one thread's cache holds.
+pub(crate) const MEDIUM_BUDGET: usize = 512 << 10;
+
+/// The class sizes, in KiB.
+const CLASS_KIB: [usize; 8] = [20, 24, 28, 32, 40, 48, 56, 64];
+pub(crate) const NUM_MEDIUM: usize = CLASS_KIB.len();
+
+/// `CLASS_OF[(size - 1) >> 12]` is the class of a medium request of `size` bytes.
+const CLASS_OF: [u8; MEDIUM_MAX >> 12] = {
+    let mut t = [0u8; MEDIUM_MAX >> 12];
+    let mut i = SMALL_MAX >> 12;
+    while i < t.len() {
+        // The largest size with this index is `(i + 1) << 12`: the first class that holds it.
+        let mut c = 0;
+        while CLASS_KIB[c] << 10 < (i + 1) << 12 {
+            c += 1;
+        }
+        t[i] = c as u8;
+        i += 1;
+    }
+    t
+};
+
+/// Size of medium class `m`.
+#[inline(always)]
+pub(crate) const fn class_size(m: usize) -> usize {
+    CLASS_KIB[m] << 10
+}
+
+/// The medium class of a request, or `None` when it is not one (see the module docs).
+#[inline(always)]
+pub(crate) fn class_for(size: usize, align: usize) -> Option<usize> {
+    if size <= SMALL_MAX || size > MEDIUM_MAX || align > MEDIUM_ALIGN {
+        return None;
+    }
+    Some(CLASS_OF[(size - 1) >> 12] as usize)
+}
+
+/// The table entry of a class `m` block starting at `p` (aligned to [`MEDIUM_ALIGN`]): the class
+/// plus one, and the start's offset in its window in units of 8 bytes. Never 0.
+#[inline(always)]
+pub(crate) const fn entry(m: usize, p: usize) -> u16 {
+    ((m as u16 + 1) << 11) | ((p & ((1 << WINDOW_SHIFT) - 1)) >> 3) as u16
+}
+
+/// The start a non-zero entry names, in the window whose base is `window`, and its class.
+pub(crate) const fn decode(e: u16, window: usize) -> (usize, usize) {
+    (window + ((e as usize & 0x7ff) << 3), (e as usize >> 11) - 1)
+}
+
+/// The heap's table: an entry per window of the arena starting at `arena`.
+pub(crate) struct Table {
+    arena: usize,
+    entries: &'static [AtomicU16],
+}
+
+impl Table {
+    /// Wraps zero-filled entries for an arena of `entries.len() << WINDOW_SHIFT` bytes at `arena`.
+    pub(crate) fn new(arena: usize, entries: &'static [AtomicU16]) -> Self {
+        Table { arena, entries }
+    }
+
+    /// The entries (for thread caches, which read them without the lock).
+    pub(crate) fn entries(&self) -> *const AtomicU16 {
+        self.entries.as_ptr()
+    }
+
+    /// The entry of the window holding `p` (inside the arena).
+    #[inline]
+    fn slot(&self, p: usize) -> &AtomicU16 {
+        &self.entries[(p - self.arena) >> WINDOW_SHIFT]
+    }
+
+    /// Notes a class `m` block of exactly its class size at `p`.
+    #[inline]
+    pub(crate) fn set(&self, m: usize, p: usize) {
+        self.slot(p).store(entry(m, p), Relaxed);
+    }
+
+    /// Forgets the entry of a block starting at `p`, if there is one (the engine freed the block
+    /// or resized it). An entry of the same window naming another start is kept: a block of at
+    /// most 16 KiB (an engine block aligned beyond the slab layer) may start in a medium block's
+    /// window. Writes only to clear an entry, so the table's untouched pages stay untouched.
+    #[inline]
+    pub(crate) fn clear(&self, p: usize) {
+        let e = self.slot(p);
+        let v = e.load(Relaxed);
+        if v != 0 && v & 0x7ff == entry(0, p) & 0x7ff {
+            e.store(0, Relaxed);
+        }
+    }
+
+    /// Whether `p` (any address) is noted as a class `m` block.
+    #[inline]
+    pub(crate) fn is(&self, m: usize, p: usize) -> bool {
+        self.entries
+            .get(p.wrapping_sub(self.arena) >> WINDOW_SHIFT)
+            .is_some_and(|e| e.load(Relaxed) == entry(m, p))
+    }
+
+    /// Calls `f(start, class)` for every entry of the windows below `end`.
+    pub(crate) fn walk(&self, end: usize, mut f: impl FnMut(usize, usize)) {
+        let windows = (end.saturating_sub(self.arena) >> WINDOW_SHIFT) + 1;
+        for (i, e) in self.entries.iter().take(windows).enumerate() {
+            let e = e.load(Relaxed);
+            if e != 0 {
+                let (p, m) = decode(e, self.arena + (i << WINDOW_SHIFT));
+                f(p, m);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes_cover_every_medium_size_with_the_smallest_fit() {
+        assert_eq!(class_for(SMALL_MAX, 1), None);
+        assert_eq!(class_for(MEDIUM_MAX + 1, 1), None);
+        assert_eq!(class_for(20 << 10, 32), None);
+        for size in SMALL_MAX + 1..=MEDIUM_MAX {
+            let m = class_for(size, 16).unwrap();
+            assert!(class_size(m) >= size, "{size}");
+            assert!(m == 0 || class_size(m - 1) < size, "{size}");
+            assert_eq!(class_for(size, 1), Some(m));
+        }
+        for m in 0..NUM_MEDIUM {
+            assert_eq!(class_for(class_size(m), 8), Some(m));
+        }
+    }
+
+    #[test]
+    fn entries_name_one_start_and_class() {
+        let window = 5 << WINDOW_SHIFT;
+        for m in 0..NUM_MEDIUM {
+            for off in (0..1 << WINDOW_SHIFT).step_by(MEDIUM_ALIGN) {
+                let e = entry(m, window + off);
+                assert_ne!(e, 0);
+                assert_eq!(decode(e, window), (window + off, m));
+                // Another start or class in the same window has another entry.
+                assert_ne!(entry(m, window + (off ^ MEDIUM_ALIGN)), e);
+                assert_ne!(entry((m + 1) % NUM_MEDIUM, window + off), e);
+            }
+        }
+    }
+
+    #[test]
+    fn clearing_another_start_in_the_window_keeps_the_entry() {
+        let entries: std::vec::Vec<AtomicU16> = (0..4).map(|_| AtomicU16::new(0)).collect();
+        let entries = std::boxed::Box::leak(entries.into_boxed_slice());
+        let arena = 1 << 30;
+        let t = Table::new(arena, entries);
+        let p = arena + (2 << WINDOW_SHIFT) + 0x40;
+        t.set(3, p);
+        assert!(t.is(3, p) && !t.is(2, p));
+        // A small engine block starting in the same window, before the medium one, is freed.
+        t.clear(p - 0x40);
+        assert!(t.is(3, p));
+        t.clear(p);
+        assert!(!t.is(3, p));
+        assert_eq!(entries[2].load(Relaxed), 0);
+        // Outside the arena: never named.
+        assert!(!t.is(3, arena - 16) && !t.is(3, arena + (4 << WINDOW_SHIFT)));
+    }
+}
