@@ -62,8 +62,9 @@ impl Prefix {
 /// The memory source over the arena: hands out the whole arena as one region.
 ///
 /// Both reservations start inaccessible (`os::reserve_uncommitted`), except the parts of the
-/// metadata reservation sized by the arena alone (span classes and sets, transfer cache, anchor).
-/// The arena, the pointer map, the span table and the chunk table are committed from their starts
+/// metadata reservation sized by the arena alone (span classes and sets, transfer cache, anchor),
+/// committed whole, and the medium table, read-only until committed. The arena, the pointer map,
+/// the span table, the medium table and the chunk table are committed from their starts
 /// as the heap reaches further ([`HostSource::commit_arena`], [`HostSource::commit_records`]), so a
 /// heap is charged for what it uses, not for the 64 GiB it reserves.
 pub(super) struct HostSource {

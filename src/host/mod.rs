@@ -10,9 +10,10 @@
 //! free, so the rest of the process (thread stacks, libraries) keeps room (but for
 //! [`HostConfig::min_arena_size`], which is tried in any case); the arena does not grow later.
 //!
-//! Reserved memory is inaccessible (`PROT_NONE`) until the heap reaches it: the arena is committed
-//! (made readable and writable) from its start in 2 MiB steps as blocks are handed out higher up,
-//! and the pointer map, span table and chunk table in step with what they describe (the metadata
+//! Reserved memory is inaccessible (`PROT_NONE`) until the heap reaches it (the medium table is
+//! read-only instead): the arena is committed (made readable and writable) from its start in 2 MiB
+//! steps as blocks are handed out higher up, and the pointer map, span table, medium table and
+//! chunk table in step with what they describe (the metadata
 //! sized by the arena alone, about 5.7 MiB with those tables' first steps for a 64 GiB arena, is
 //! committed at initialisation). So strict overcommit (`vm.overcommit_memory = 2`) charges, and
 //! `RLIMIT_DATA` counts, the memory the heap has reached, not the 64 GiB it reserved; when the
@@ -619,7 +620,8 @@ impl GlobalBfc {
     ///
     /// `bytes_in_use` and `num_chunks_in_use` count blocks held by callers only: blocks waiting in
     /// thread caches are subtracted. `num_allocs` counts a small block when it leaves the slab layer
-    /// (for a caller or a thread cache), and `peak_bytes_in_use` includes cached blocks.
+    /// (for a caller or a thread cache) and a larger one when it leaves the engine, so it misses
+    /// blocks handed out from a thread cache; `peak_bytes_in_use` includes cached blocks.
     pub fn stats(&self) -> Stats {
         self.with_heap(|h| h.stats()).unwrap_or_default()
     }
@@ -651,9 +653,9 @@ impl GlobalBfc {
         .unwrap_or(0)
     }
 
-    /// Returns the calling thread's cached small blocks to the heap (if its cache serves this
-    /// allocator), with the blocks in the heap's transfer cache. Returns how many blocks went back
-    /// from the thread's cache. Threads flush automatically when they exit.
+    /// Returns the calling thread's cached blocks to the heap (if its cache serves this allocator):
+    /// small ones to the slab layer, with the blocks in the heap's transfer cache, medium ones to
+    /// the engine. Returns how many blocks went back from the thread's cache. Threads flush automatically when they exit.
     #[cfg(feature = "std")]
     pub fn flush_thread_cache(&self) -> usize {
         self.bound_cache(|tc| {
@@ -696,9 +698,9 @@ impl GlobalBfc {
     /// Usable size of the block at `ptr`, or `None` if `ptr` is not the start of a block the
     /// allocator holds for a caller or in a cache.
     ///
-    /// A diagnostic: a small block freed into a thread cache or the transfer cache still counts
-    /// (it reads as its class size) until the cache gives it back to its span; a freed large
-    /// block, and a small block whose span has it free, give `None`.
+    /// A diagnostic: a small or medium block freed into a thread cache or the transfer cache still
+    /// counts (it reads as its class size) until the cache gives it back to its span or the engine;
+    /// another freed block, and a small block whose span has it free, give `None`.
     pub fn usable_size(&self, ptr: *const u8) -> Option<usize> {
         self.with_heap(|h| h.usable_size(ptr as usize)).flatten()
     }
@@ -1199,7 +1201,7 @@ impl Heap {
         if let Some(m) = medium::class_for(size, align) {
             return self.allocate_medium(m, size, align);
         }
-        match self.allocate_engine(size, align, (size, align)) {
+        match self.allocate_engine(size, align, Self::grid(size, align), (size, align)) {
             Some(b) => b.ptr as *mut u8,
             None => ptr::null_mut(),
         }
@@ -1212,7 +1214,13 @@ impl Heap {
     #[inline]
     fn allocate_medium(&mut self, m: usize, size: usize, align: usize) -> *mut u8 {
         let Some(b) =
-            self.allocate_engine(medium::class_size(m), medium::MEDIUM_ALIGN, (size, align))
+            // The 64 KiB class on the 64 KiB grid too, as every block of 64 KiB or more.
+            self.allocate_engine(
+                medium::class_size(m),
+                medium::MEDIUM_ALIGN,
+                Self::grid(medium::class_size(m), medium::MEDIUM_ALIGN),
+                (size, align),
+            )
         else {
             return ptr::null_mut();
         };
@@ -1222,20 +1230,28 @@ impl Heap {
         b.ptr as *mut u8
     }
 
-    /// An engine block of `size` bytes at `align`, noted as handed out; `None` (noted as a failure
-    /// of `request`, the caller's size and alignment) when none is found.
+    /// The grid a new engine block of `size` bytes at `align` starts on where the arena has room
+    /// for the padding: 64 KiB for blocks of 64 KiB or more (module docs), else `align`.
+    #[inline]
+    fn grid(size: usize, align: usize) -> usize {
+        if size >= LARGE_ALIGN {
+            align.max(LARGE_ALIGN)
+        } else {
+            align
+        }
+    }
+
+    /// An engine block of `size` bytes at `align`, on the grid `grid` where the arena has room for
+    /// the padding, noted as handed out; `None` (noted as a failure of `request`, the caller's size
+    /// and alignment) when none is found.
     #[inline]
     fn allocate_engine(
         &mut self,
         size: usize,
         align: usize,
+        grid: usize,
         request: (usize, usize),
     ) -> Option<Allocated> {
-        let grid = if size >= LARGE_ALIGN {
-            align.max(LARGE_ALIGN)
-        } else {
-            align
-        };
         let mut found = self.large_block(size, grid, align);
         if found.is_none() {
             // A request that no aligned address of the arena has room for (larger than the arena,
@@ -1412,13 +1428,17 @@ impl Heap {
 
     /// Out of memory: gives back to the engine what the heap holds only for reuse, so that an
     /// allocation can try again. The transfer cache and, if it serves this heap, the calling
-    /// thread's cache go back to the slab layer, and each class's empty current span to the engine
-    /// (where it coalesces). Other threads' caches are out of reach: their fast paths take no lock.
-    /// `true` if anything went back.
+    /// thread's cache go back to the slab layer (its medium blocks to the engine), and each class's
+    /// empty current span to the engine (where it coalesces). Other threads' caches are out of
+    /// reach: their fast paths take no lock. `true` if anything went back.
     #[cold]
     #[inline(never)]
     fn reclaim(&mut self) -> bool {
-        let before = (self.small.objects, self.small.spans_live);
+        let before = (
+            self.small.objects,
+            self.small.spans_live,
+            self.bfc.bytes_in_use(),
+        );
         #[cfg(feature = "std")]
         {
             let id = self.id;
@@ -1439,7 +1459,11 @@ impl Heap {
         for &base in &spans[..n] {
             self.free_engine(base);
         }
-        (self.small.objects, self.small.spans_live) != before
+        (
+            self.small.objects,
+            self.small.spans_live,
+            self.bfc.bytes_in_use(),
+        ) != before
     }
 
     /// Counters as callers see them: spans replaced by the small objects in them.
@@ -1666,7 +1690,11 @@ impl Heap {
         match self.small.free(p) {
             SmallFree::Freed(None) => {}
             SmallFree::Freed(Some(span)) => self.free_engine(span),
-            SmallFree::NotSmall => self.free_engine(p),
+            SmallFree::NotSmall => {
+                #[cfg(feature = "std")]
+                self.check_not_cached(p);
+                self.free_engine(p)
+            }
             SmallFree::Interior { block } => small_error(p, SmallFree::Interior { block }, ""),
             // `free` names no class.
             SmallFree::DoubleFree | SmallFree::OtherClass => {
@@ -2478,6 +2506,22 @@ impl Heap {
         let k = tc.pop_medium_into(m, &mut buf[..n.min(medium::MEDIUM_BIN)]);
         for &p in &buf[..k] {
             self.free_engine(p);
+        }
+    }
+
+    /// Aborts if the engine block `p`, freed by the pointer-based path, is a medium block waiting in
+    /// the calling thread's cache (freed before with its own layout, now again with another: the
+    /// engine would free it while the cache may still hand it out). Other threads' caches are out
+    /// of reach (their blocks are checked when they go back to the engine).
+    fn check_not_cached(&self, p: usize) {
+        let Some(m) = self.medium.class_of(p) else {
+            return;
+        };
+        let id = self.id;
+        if tcache::with(|tc| tc.owner.get() == id && tc.contains_medium(m, p)) == Some(true) {
+            os::fatal(format_args!(
+                "double free of pointer {p:#x} (it is already in this thread's cache)"
+            ));
         }
     }
 

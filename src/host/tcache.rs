@@ -480,7 +480,9 @@ impl ThreadCache {
     #[inline(always)]
     pub(crate) fn plausible_medium(&self, m: usize, p: usize) -> bool {
         let offset = p.wrapping_sub(self.arena.get());
+        // (The entry names a block start to 8 bytes; medium blocks start on 16.)
         offset < self.arena_len.get()
+            && p & (medium::MEDIUM_ALIGN - 1) == 0
             // SAFETY: `offset` is inside the arena, so its 16 KiB window has an entry in the
             // table, which lives as long as the instance this cache is bound to (the caller's).
             && unsafe { &*self.medium.get().add(offset >> WINDOW_SHIFT) }.load(Relaxed)

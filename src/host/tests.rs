@@ -590,8 +590,8 @@ fn bytes_in_maps(lo: usize, hi: usize, keep: impl Fn(&str) -> bool) -> usize {
 
 /// Only what the heap reached is accessible: the arena's committed prefix follows its highest
 /// block in 2 MiB steps, and so do the pointer map, the span table, the medium table and the chunk
-/// table; the rest of each reservation stays `PROT_NONE` (the medium table's read-only) (no commit charge under strict overcommit, not
-/// counted by `RLIMIT_DATA`). When the free top goes back to the kernel, the committed prefix
+/// table; the rest of each reservation stays `PROT_NONE` (the medium table's, read-only): no
+/// commit charge under strict overcommit, not counted by `RLIMIT_DATA`. When the free top goes back to the kernel, the committed prefix
 /// follows it down; a free elsewhere keeps its memory committed for reuse.
 #[test]
 #[cfg_attr(miri, ignore = "Miri has no mprotect")]
@@ -2390,4 +2390,124 @@ fn idle_medium_classes_decay() {
     })
     .unwrap();
     assert_eq!(a.check(), Ok(()));
+}
+
+/// An allocation that finds no room takes the calling thread's cached medium blocks back to the
+/// engine first, where they coalesce, and tries again.
+#[test]
+fn an_allocation_out_of_room_takes_back_cached_medium_blocks() {
+    let a = small_instance();
+    let l = layout(64 << 10, 16);
+    let cached: std::vec::Vec<*mut u8> = (0..4).map(|_| alloc_ok(&a, l)).collect();
+    for w in cached.windows(2) {
+        assert_eq!(w[1] as usize, w[0] as usize + (64 << 10), "not adjacent");
+    }
+    // Fill the rest of the arena with blocks larger than any gap the four could leave.
+    let fill = layout(128 << 10, 16);
+    let mut rest = std::vec::Vec::new();
+    loop {
+        // SAFETY: a non-zero size.
+        let p = unsafe { a.alloc(fill) };
+        if p.is_null() {
+            break;
+        }
+        rest.push(p);
+    }
+    for &p in &cached {
+        // SAFETY: each came from `a` with `l` and is freed once.
+        unsafe { a.dealloc(p, l) };
+    }
+    assert_eq!(a.thread_cache_bytes(), 4 * (64 << 10));
+    let whole = layout(256 << 10, 16);
+    // SAFETY: a non-zero size.
+    let p = unsafe { a.alloc(whole) };
+    assert_eq!(p, cached[0], "the four cached blocks, coalesced");
+    assert_eq!(a.thread_cache_bytes(), 0);
+    assert_eq!(a.check(), Ok(()));
+    // SAFETY: each came from `a` with its layout and is freed once.
+    unsafe {
+        a.dealloc(p, whole);
+        for p in rest {
+            a.dealloc(p, fill);
+        }
+    }
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// Once other classes hold the medium budget, a freed block of a class with nothing cached goes
+/// straight back to the engine.
+#[test]
+fn a_full_medium_budget_sends_other_classes_to_the_engine() {
+    let a = small_instance();
+    let big = [layout(64 << 10, 16), layout(56 << 10, 16)];
+    let held: std::vec::Vec<(*mut u8, Layout)> = big
+        .iter()
+        .flat_map(|&l| (0..medium::MEDIUM_BIN).map(move |_| l))
+        .map(|l| (alloc_ok(&a, l), l))
+        .collect();
+    let l = layout(40 << 10, 16);
+    let p = alloc_ok(&a, l);
+    for &(q, lq) in &held {
+        // SAFETY: each came from `a` with its layout and is freed once.
+        unsafe { a.dealloc(q, lq) };
+    }
+    let full = a.thread_cache_bytes();
+    assert_eq!(full, medium::MEDIUM_BIN * (120 << 10));
+    assert!(full + (40 << 10) > medium::MEDIUM_BUDGET);
+    // SAFETY: `p` came from `a` with `l` and is freed once.
+    unsafe { a.dealloc(p, l) };
+    assert_eq!(a.thread_cache_bytes(), full);
+    assert_eq!(a.usable_size(p), None, "not back in the engine");
+    assert_eq!(a.stats().bytes_in_use, 0);
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A pointer inside a medium block (`off` bytes past its start) freed with a medium layout is not
+/// cached: the pointer-based free finds it inside a live block and aborts. Runs as test `case`.
+fn medium_free_off_the_block_start(case: &str, off: usize) {
+    if is_child(case) {
+        let a = small_instance();
+        let l = layout(20 << 10, 16);
+        let p = alloc_ok(&a, l);
+        // SAFETY: the error under test (a pointer `off` bytes into a live block).
+        unsafe { a.dealloc(p.add(off), l) };
+        std::println!("child survived");
+        return;
+    }
+    assert_child_aborts("host::tests", case, "into the middle of the block");
+}
+
+/// Off the 16-byte grid (the table names starts to 8 bytes).
+#[test]
+#[cfg_attr(miri, ignore = "spawns a child process")]
+fn a_medium_free_4_bytes_into_a_block_aborts() {
+    medium_free_off_the_block_start("a_medium_free_4_bytes_into_a_block_aborts", 4);
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "spawns a child process")]
+fn a_medium_free_16_bytes_into_a_block_aborts() {
+    medium_free_off_the_block_start("a_medium_free_16_bytes_into_a_block_aborts", 16);
+}
+
+/// A medium block waiting in the thread's cache, freed again with a layout of another class, is
+/// caught: the engine must not free it while the cache may hand it out.
+#[test]
+#[cfg_attr(miri, ignore = "spawns a child process")]
+fn a_cached_medium_block_freed_again_as_another_class_aborts() {
+    let case = "a_cached_medium_block_freed_again_as_another_class_aborts";
+    if is_child(case) {
+        let a = small_instance();
+        let l = layout(20 << 10, 16);
+        let p = alloc_ok(&a, l);
+        // SAFETY: the first free is valid; the second (another class's layout) is the error
+        // under test.
+        unsafe {
+            a.dealloc(p, l);
+            a.dealloc(p, layout(24 << 10, 16));
+        }
+        std::println!("child survived");
+        return;
+    }
+    assert_child_aborts("host::tests", case, "already in this thread's cache");
 }
