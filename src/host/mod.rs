@@ -655,7 +655,8 @@ impl GlobalBfc {
 
     /// Returns the calling thread's cached blocks to the heap (if its cache serves this allocator):
     /// small ones to the slab layer, with the blocks in the heap's transfer cache, medium ones to
-    /// the engine. Returns how many blocks went back from the thread's cache. Threads flush automatically when they exit.
+    /// the engine. Returns how many blocks went back from the thread's cache. Threads flush
+    /// automatically when they exit.
     #[cfg(feature = "std")]
     pub fn flush_thread_cache(&self) -> usize {
         self.bound_cache(|tc| {
@@ -1707,8 +1708,8 @@ impl Heap {
     fn free_engine(&mut self, p: usize) {
         match self.bfc.deallocate(p) {
             Ok(f) => {
-                // Only a block above 16 KiB may be a medium one, and its window's entry is its own
-                // (see `medium.rs`).
+                // Only a block above 16 KiB may be a medium one (and `clear` forgets only an entry
+                // that names `p`: see `medium.rs`).
                 #[cfg(feature = "std")]
                 if f.size > small::SMALL_MAX {
                     self.medium.clear(p);
