@@ -85,7 +85,8 @@ pub(super) struct HostSource {
     page: usize,
     /// Arena bytes per map entry.
     map_block: usize,
-    /// Committed prefixes: of the arena, the map, the chunk table and the span table.
+    /// Committed prefixes: of the arena, the map, the chunk table, the span table and the medium
+    /// table.
     pub(super) arena_commit: Prefix,
     pub(super) map_commit: Prefix,
     pub(super) table_commit: Prefix,
@@ -142,9 +143,9 @@ impl HostSource {
         }
     }
 
-    /// Commits the arena below `end` (an address; capped at the arena's end) with the map and
-    /// span-table entries that describe it. `false` if the kernel refuses (the heap then hands
-    /// nothing out above what is committed).
+    /// Commits the arena below `end` (an address; capped at the arena's end) with the map,
+    /// span-table and medium-table entries that describe it. `false` if the kernel refuses (the
+    /// heap then hands nothing out above what is committed).
     #[inline]
     pub(super) fn commit_arena(&mut self, end: usize) -> bool {
         let bytes = end.saturating_sub(self.arena);
@@ -182,8 +183,9 @@ impl HostSource {
         )
     }
 
-    /// Whether what is committed covers what the heap uses: the arena below `brk`, the map and
-    /// span entries of the committed arena, and the chunk table's first `records` records.
+    /// Whether what is committed covers what the heap uses: the arena below `brk`, the map, span
+    /// and medium-table entries of the committed arena, and the chunk table's first `records`
+    /// records.
     pub(super) fn check_commit(&self, brk: usize, records: usize) -> Result<(), &'static str> {
         let (map_bytes, spans_bytes, medium_bytes) = self.described_by(self.arena_commit.done);
         if brk > self.committed_end() {
@@ -202,9 +204,9 @@ impl HostSource {
 
     /// Stops committing the arena past `end` (an address, rounded up to the commit step): the range
     /// goes back to `PROT_NONE` (`os::decommit`), so strict overcommit and `RLIMIT_DATA` stop
-    /// counting it, and a later block there commits it again. The pointer map and span table stay
-    /// committed as far as they were (about 1% of the arena bytes they describe, and only their
-    /// touched pages resident).
+    /// counting it, and a later block there commits it again. The pointer map, span table and
+    /// medium table stay committed as far as they were (about 1% of the arena bytes they describe,
+    /// and only their touched pages resident).
     ///
     /// # Safety
     /// `end` is at or above the heap's touched end (`Heap::brk`): nothing handed out lies past it,
@@ -304,8 +306,8 @@ pub(super) const ARENA_BYTES_PER_RECORD: usize = 256;
 pub(super) const MIN_RECORDS: usize = 16;
 
 /// Where each part of the metadata reservation starts (page-aligned offsets), in order: the
-/// pointer map, the chunk table, the span table, the span classes, the span sets, the transfer
-/// cache and the anchor.
+/// pointer map, the chunk table, the span table, the medium table, the span classes, the span
+/// sets, the transfer cache and the anchor.
 pub(super) struct MetaLayout {
     pub(super) map_entries: usize,
     pub(super) table_at: usize,

@@ -9,9 +9,9 @@
 //! about 900 instructions for an allocation and a free through the engine, about 90 through the
 //! cache). The class rounding gives a request about 9% more address space than it asked for on
 //! average (sizes spread evenly on a log scale), and at most a quarter more (16 KiB + 1 byte).
-//! Blocks of the 64 KiB class start on the 64 KiB grid, as every engine block of 64 KiB or more. The engine still coalesces every block the
-//! caches give back, and a cache holds at most [`MEDIUM_BIN`] (4) blocks per class and
-//! [`MEDIUM_BUDGET`] (512 KiB) of them in all.
+//! Blocks of the 64 KiB class start on the 64 KiB grid, as every engine block of 64 KiB or more.
+//! The engine still coalesces every block the caches give back, and a cache holds at most
+//! [`MEDIUM_BIN`] (4) blocks per class and [`MEDIUM_BUDGET`] (512 KiB) of them in all.
 //!
 //! **The table.** A freed block may join a cache only if it is what its layout says: a live
 //! medium block of that class, rounded as above. Its layout alone cannot say so (a block resized in
@@ -23,10 +23,11 @@
 //! layer, may start in the same window: the entry's offset tells them apart). The heap writes
 //! entries under its lock: when it hands out a medium block of exactly its class size, and (to 0)
 //! when the engine frees the block the entry names or resizes it in place (then, if the new size is
-//! a class size, it writes the new class). A thread freeing a block reads the entry of the block's window: the block is live and
-//! the freeing thread owns it, so the entry written when it was handed out is there (what handed the
-//! block over to that thread ordered that write before this read), and no other block's entry can
-//! replace it while the block lives. A cached block keeps its entry: it is still live to the engine.
+//! a class size, it writes the new class). A thread freeing a block reads the entry of the block's
+//! window: the block is live and the freeing thread owns it, so the entry written when it was
+//! handed out is there (what handed the block over to that thread ordered that write before this
+//! read), and no other block's entry can replace it while the block lives. A cached block keeps
+//! its entry: it is still live to the engine.
 //!
 //! The table takes 2 bytes per 16 KiB of arena (8 MiB for a 64 GiB arena). It is readable from
 //! the start (read-only pages cost no commit charge; a read of one never written sees zeros) and

@@ -53,9 +53,9 @@
 //! - a block freed on another thread joins that thread's cache; a full cache gives half a stack to
 //!   a per-class transfer cache in the heap, from which the refills of that class take their batches
 //!   before the slab layer (at most two stacks per class, about 2.3 MiB in all);
-//! - every 256 refills and flushes (medium misses and overflows count too) of a thread's cache, each
-//!   class that had none of them gives half its blocks back to the slab layer or the engine, so a
-//!   class the thread stopped using drains;
+//! - every 256 refills and flushes (medium misses and overflows count too) of a thread's cache,
+//!   each class that had none of them gives half its blocks back to the slab layer or the engine,
+//!   so a class the thread stopped using drains;
 //! - a thread's cache is flushed when the thread exits, on demand by
 //!   [`GlobalBfc::flush_thread_cache`] (and [`GlobalBfc::release_free_memory`]), and before an
 //!   allocation on that thread fails for want of room (with the transfer cache);
@@ -1743,6 +1743,10 @@ impl Heap {
                 return self.allocate(new_size, align);
             }
             Ok(None) => {
+                // A medium block in this thread's cache must not be resized or moved (realloc of
+                // a freed block).
+                #[cfg(feature = "std")]
+                self.check_not_cached(p);
                 // An engine block shrinking to a small size moves to the slab layer, for the same
                 // reason.
                 if small::class_for(new_size, align).is_some() {
@@ -2510,10 +2514,11 @@ impl Heap {
         }
     }
 
-    /// Aborts if the engine block `p`, freed by the pointer-based path, is a medium block waiting in
-    /// the calling thread's cache (freed before with its own layout, now again with another: the
-    /// engine would free it while the cache may still hand it out). Other threads' caches are out
-    /// of reach (their blocks are checked when they go back to the engine).
+    /// Aborts if the engine block `p`, freed by the pointer-based path or resized under the lock,
+    /// is a medium block waiting in the calling thread's cache (freed before with its own layout,
+    /// now freed again with another or reallocated: the engine would free or resize it while the
+    /// cache may still hand it out). Other threads' caches are out of reach (their blocks are
+    /// checked when they go back to the engine).
     fn check_not_cached(&self, p: usize) {
         let Some(m) = self.medium.class_of(p) else {
             return;

@@ -2511,3 +2511,34 @@ fn a_cached_medium_block_freed_again_as_another_class_aborts() {
     }
     assert_child_aborts("host::tests", case, "already in this thread's cache");
 }
+
+/// A medium block waiting in the thread's cache, reallocated (grown or shrunk into another class)
+/// is caught: the engine must not resize it in place while the cache may hand it out. Runs as
+/// test `case`.
+fn realloc_of_a_cached_medium_block(case: &str, new_size: usize) {
+    if is_child(case) {
+        let a = small_instance();
+        let l = layout(40 << 10, 16);
+        let p = alloc_ok(&a, l);
+        // SAFETY: the free is valid; the realloc of the freed block is the error under test.
+        unsafe {
+            a.dealloc(p, l);
+            a.realloc(p, l, new_size);
+        }
+        std::println!("child survived");
+        return;
+    }
+    assert_child_aborts("host::tests", case, "already in this thread's cache");
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "spawns a child process")]
+fn growing_a_cached_medium_block_aborts() {
+    realloc_of_a_cached_medium_block("growing_a_cached_medium_block_aborts", 48 << 10);
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "spawns a child process")]
+fn shrinking_a_cached_medium_block_aborts() {
+    realloc_of_a_cached_medium_block("shrinking_a_cached_medium_block_aborts", 20 << 10);
+}
