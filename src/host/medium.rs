@@ -7,14 +7,16 @@
 //! thread's cache keeps a few freed ones per class and hands them out again without the lock, the
 //! engine's best-fit search, its splitting or its coalescing (cachegrind on bench-peers `med`:
 //! about 900 instructions for an allocation and a free through the engine, about 90 through the
-//! cache). The class rounding gives a request about 9% more address space than it asked for on
+//! cache). A request whose class has none cached takes one of the next class up, if cached: on
+//! `med` (random classes) that raised the share of steps the cache serves from about 74% to 87%
+//! (simulated), and cut the run's instructions by 23% and its peak RSS by 8%. The class rounding gives a request about 9% more address space than it asked for on
 //! average (sizes spread evenly on a log scale), and at most a quarter more (16 KiB + 1 byte).
 //! Blocks of the 64 KiB class start on the 64 KiB grid, as every engine block of 64 KiB or more.
 //! The engine still coalesces every block the caches give back, and a cache holds at most
 //! [`MEDIUM_BIN`] (4) blocks per class and [`MEDIUM_BUDGET`] (512 KiB) of them in all.
 //!
-//! **The table.** A freed block may join a cache only if it is what its layout says: a live
-//! medium block of that class, rounded as above. Its layout alone cannot say so (a block resized in
+//! **The table.** A freed block may join a cache only if it is what its layout says, or larger: a
+//! live medium block of the layout's class or a larger one (it then joins its own class's stack). Its layout alone cannot say so (a block resized in
 //! place, or a wrong layout), and the engine's records need the lock. So the heap keeps a lock-free
 //! table with one 16-bit entry per 16 KiB window of the arena: for a window in which a medium block
 //! starts, the block's class and its offset in the window ([`entry`]); 0 elsewhere. Every engine
@@ -93,9 +95,22 @@ pub(crate) const fn entry(m: usize, p: usize) -> u16 {
     ((m as u16 + 1) << 11) | ((p & ((1 << WINDOW_SHIFT) - 1)) >> 3) as u16
 }
 
-/// The start a non-zero entry names, in the window whose base is `window`, and its class.
+/// The class an entry names (`None` for 0, or a value no class has).
+#[inline(always)]
+pub(crate) const fn entry_class(e: u16) -> Option<usize> {
+    match ((e >> 11) as usize).checked_sub(1) {
+        Some(k) if k < NUM_MEDIUM => Some(k),
+        _ => None,
+    }
+}
+
+/// The start an entry names, in the window whose base is `window`, and its class (for an entry
+/// [`entry`] made).
 pub(crate) const fn decode(e: u16, window: usize) -> (usize, usize) {
-    (window + ((e as usize & 0x7ff) << 3), (e as usize >> 11) - 1)
+    (
+        window + ((e as usize & 0x7ff) << 3),
+        (e as usize >> 11).wrapping_sub(1),
+    )
 }
 
 /// The heap's table: an entry per window of the arena starting at `arena`.
@@ -154,7 +169,8 @@ impl Table {
             .entries
             .get(p.wrapping_sub(self.arena) >> WINDOW_SHIFT)?
             .load(Relaxed);
-        (e != 0 && decode(e, p & !((1 << WINDOW_SHIFT) - 1)).0 == p).then(|| decode(e, 0).1)
+        let k = entry_class(e)?;
+        (decode(e, p & !((1 << WINDOW_SHIFT) - 1)).0 == p).then_some(k)
     }
 
     /// Calls `f(start, class)` for every entry of the windows below `end`.

@@ -1916,7 +1916,7 @@ unsafe impl GlobalAlloc for GlobalBfc {
         }
         #[cfg(feature = "std")]
         if let Some(m) = medium::class_for(layout.size(), layout.align()) {
-            return match self.bound_cache(|tc| tc.pop_medium(m)).flatten() {
+            return match self.bound_cache(|tc| tc.pop_medium_for(m)).flatten() {
                 Some(p) => p as *mut u8,
                 None => self.alloc_medium_slow(m, layout.size(), layout.align()),
             };
@@ -1949,7 +1949,7 @@ unsafe impl GlobalAlloc for GlobalBfc {
         // A cached medium block was handed out before: written whole.
         #[cfg(feature = "std")]
         if let Some(m) = medium::class_for(layout.size(), layout.align()) {
-            if let Some(p) = self.bound_cache(|tc| tc.pop_medium(m)).flatten() {
+            if let Some(p) = self.bound_cache(|tc| tc.pop_medium_for(m)).flatten() {
                 // SAFETY: the block holds its class's size, at least `size` bytes.
                 unsafe { ptr::write_bytes(p as *mut u8, 0, layout.size()) };
                 return p as *mut u8;
@@ -2531,14 +2531,15 @@ impl Heap {
         }
     }
 
-    /// The slow path of a medium free into the calling thread's cache `tc`: checks the block
-    /// against the table (a block it does not name as a class `m` one takes the checked
-    /// pointer-based free), makes room, and caches it.
+    /// The slow path of a medium free with a layout of class `m` into the calling thread's cache
+    /// `tc`: checks the block against the table (a block it does not name as one of class `m` or
+    /// larger takes the checked pointer-based free), makes room, and caches it by its own class.
     fn free_medium_to_cache(&mut self, tc: &ThreadCache, m: usize, p: usize) {
-        if !self.medium.is(m, p) {
+        // The block's own class: the layout's, or larger (a block from the next class's stack).
+        let Some(m) = self.medium.class_of(p).filter(|&k| k >= m) else {
             self.free(p as *mut u8);
             return;
-        }
+        };
         if tc.contains_medium(m, p) {
             os::fatal(format_args!(
                 "double free of pointer {p:#x} (it is already in this thread's cache)"

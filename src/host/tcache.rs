@@ -29,18 +29,19 @@
 //! 16 KiB; 16 from 1 KiB to 4 KiB, 20 to 64 KiB; 8 above, 40 to 128 KiB), so one thread caches at
 //! most 1,199 KiB of small blocks. The stacks take 15 KiB of thread-local storage per thread.
 //!
-//! **Medium blocks** (engine blocks of a medium class, 20 to 64 KiB: see `medium.rs`) have stacks of
-//! their own, of [`MEDIUM_BIN`] (4) blocks per class and at most [`MEDIUM_BUDGET`] (512 KiB) in all,
-//! so a thread caches at most [`MAX_CACHED_BYTES`] (1,711 KiB, small and medium). A medium
-//! allocation the stack cannot serve takes one block from the engine under the lock (no batch: the
-//! engine splits blocks from free memory of any size, and a batch would only hold it); a free that
-//! finds the stack or the budget full gives half the class's stack back to the engine (or the block
-//! itself, when other classes hold the budget). A free joins a stack only if the heap's medium table,
-//! read without the lock, names the block as a live block of the class its layout says
-//! ([`ThreadCache::plausible_medium`]); any other goes to the checked pointer-based free. Decay,
-//! exit flushes and `flush_thread_cache` treat them like small classes, giving them back to the
-//! engine, which checks that each is live (a double free not caught at the free is caught there,
-//! unless the block was handed out again first).
+//! **Medium blocks** (engine blocks of a medium class, 20 to 64 KiB: see `medium.rs`) have stacks
+//! of their own, of [`MEDIUM_BIN`] (4) blocks per class and at most [`MEDIUM_BUDGET`] (512 KiB) in
+//! all, so a thread caches at most [`MAX_CACHED_BYTES`] (1,711 KiB, small and medium). A medium
+//! allocation that neither its class's stack nor the next class's can serve takes one block from
+//! the engine under the lock (no batch: the engine splits blocks from free memory of any size, and
+//! a batch would only hold it); a free that finds the stack or the budget full gives half the
+//! class's stack back to the engine (or the block itself, when other classes hold the budget). A
+//! free joins a stack only if the heap's medium table, read without the lock, names the block as a
+//! live block of the class its layout says or a larger one, and it joins the stack of its own class
+//! ([`ThreadCache::medium_class`]); any other goes to the checked pointer-based free. Decay, exit
+//! flushes and `flush_thread_cache` treat them like small classes, giving them back to the engine,
+//! which checks that each is live (a double free not caught at the free is caught there, unless the
+//! block was handed out again first).
 //!
 //! **Double frees.** A free of the block on top of its stack (a block freed twice in a row on one
 //! thread, with no flush or decay of its class between the two frees) is caught at once. Any other
@@ -453,40 +454,65 @@ impl ThreadCache {
         self.medium_bytes.get() + medium::class_size(m) <= MEDIUM_BUDGET
     }
 
-    /// Pushes a medium block the caller frees (owner thread only). `false` (nothing changed) when
-    /// the slow path must see it: the stack or the budget is full, the table does not name the
-    /// block as a class `m` block of the instance, or it is the block on top of the stack (freed
-    /// twice in a row).
+    /// Pushes a medium block the caller frees with a layout of class `m` (owner thread only), onto
+    /// the stack of its own class (see [`ThreadCache::medium_class`]). `false` (nothing changed)
+    /// when the slow path must see it: the table does not name the block as a live medium block of
+    /// class `m` or larger, its stack or the budget is full, or it is the block on top of its stack
+    /// (freed twice in a row).
     #[inline(always)]
     pub(crate) fn push_medium(&self, m: usize, p: usize) -> bool {
-        let n = self.medium_count(m);
+        let Some(k) = self.medium_class(m, p) else {
+            return false;
+        };
+        let n = self.medium_count(k);
         if n >= MEDIUM_BIN
-            || !self.medium_room(m)
-            || !self.plausible_medium(m, p)
-            || (n > 0 && self.medium_slot(m, n - 1).get() == p)
+            || !self.medium_room(k)
+            || (n > 0 && self.medium_slot(k, n - 1).get() == p)
         {
             return false;
         }
-        self.medium_slot(m, n).set(p);
-        self.set_medium_count(m, n + 1);
+        self.medium_slot(k, n).set(p);
+        self.set_medium_count(k, n + 1);
         self.medium_bytes
-            .set(self.medium_bytes.get() + medium::class_size(m));
+            .set(self.medium_bytes.get() + medium::class_size(k));
         true
     }
 
-    /// Whether the bound instance's medium table names `p` as a live class `m` block (see
-    /// `medium.rs`). Owner thread only, while the bound instance is alive; `p` is a block the
-    /// caller frees or resizes.
+    /// The class of the live medium block at `p` that the bound instance's medium table names, if
+    /// it names one of class `m` or larger (see `medium.rs`): a block handed out for a class `m`
+    /// request may be of a larger class ([`ThreadCache::pop_medium_for`]). Owner thread only, while
+    /// the bound instance is alive; `p` is a block the caller frees or resizes with a layout of
+    /// class `m`.
     #[inline(always)]
-    pub(crate) fn plausible_medium(&self, m: usize, p: usize) -> bool {
+    pub(crate) fn medium_class(&self, m: usize, p: usize) -> Option<usize> {
         let offset = p.wrapping_sub(self.arena.get());
         // (The entry names a block start to 8 bytes; medium blocks start on 16.)
-        offset < self.arena_len.get()
-            && p & (medium::MEDIUM_ALIGN - 1) == 0
-            // SAFETY: `offset` is inside the arena, so its 16 KiB window has an entry in the
-            // table, which lives as long as the instance this cache is bound to (the caller's).
-            && unsafe { &*self.medium.get().add(offset >> WINDOW_SHIFT) }.load(Relaxed)
-                == medium::entry(m, p)
+        if offset >= self.arena_len.get() || p & (medium::MEDIUM_ALIGN - 1) != 0 {
+            return None;
+        }
+        // SAFETY: `offset` is inside the arena, so its 16 KiB window has an entry in the table,
+        // which lives as long as the instance this cache is bound to (the caller's).
+        let e = unsafe { &*self.medium.get().add(offset >> WINDOW_SHIFT) }.load(Relaxed);
+        let k = medium::entry_class(e)?;
+        (e == medium::entry(k, p) && k >= m).then_some(k)
+    }
+
+    /// Whether the bound instance's medium table names `p` as a live medium block of class `m` or
+    /// larger ([`ThreadCache::medium_class`]).
+    #[inline(always)]
+    pub(crate) fn plausible_medium(&self, m: usize, p: usize) -> bool {
+        self.medium_class(m, p).is_some()
+    }
+
+    /// A cached block for a class `m` request: one of class `m`, or else one of the next class up
+    /// (at most a class step larger, and spared a trip to the engine). Owner thread only.
+    #[inline(always)]
+    pub(crate) fn pop_medium_for(&self, m: usize) -> Option<usize> {
+        self.pop_medium(m).or_else(|| {
+            (m + 1 < NUM_MEDIUM)
+                .then(|| self.pop_medium(m + 1))
+                .flatten()
+        })
     }
 
     /// Adds a medium block without checks (a slow-path free that was checked under the lock). The

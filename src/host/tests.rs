@@ -2542,3 +2542,41 @@ fn growing_a_cached_medium_block_aborts() {
 fn shrinking_a_cached_medium_block_aborts() {
     realloc_of_a_cached_medium_block("shrinking_a_cached_medium_block_aborts", 20 << 10);
 }
+
+/// A medium request whose class has nothing cached takes a cached block of the next class up (no
+/// engine allocation: the count stays put), which stays in place within the request's class and
+/// goes back to its own class's stack when freed; two classes up is too large.
+#[test]
+fn a_miss_takes_a_cached_block_of_the_next_class() {
+    let a = small_instance();
+    let up = layout(24 << 10, 16);
+    let p = alloc_ok(&a, up);
+    // SAFETY: `p` came from `a` with `up` and is freed once.
+    unsafe { a.dealloc(p, up) };
+    let allocs = a.stats().num_allocs;
+    let l = layout(18 << 10, 8);
+    assert_eq!(alloc_ok(&a, l), p);
+    assert_eq!(a.stats().num_allocs, allocs);
+    assert_eq!(a.usable_size(p), Some(24 << 10));
+    // SAFETY: `p` came from `a` with `l`; then freed once with the layout of the realloc.
+    unsafe {
+        assert_eq!(a.realloc(p, l, 20 << 10), p);
+        a.dealloc(p, layout(20 << 10, 8));
+    }
+    assert_eq!(a.thread_cache_bytes(), 24 << 10);
+    tcache::with(|tc| assert_eq!((tc.medium_count(0), tc.medium_count(1)), (0, 1))).unwrap();
+    assert_eq!(a.check(), Ok(()));
+    // A block two classes up stays cached; the request goes to the engine.
+    a.flush_thread_cache();
+    let two_up = layout(28 << 10, 16);
+    let q = alloc_ok(&a, two_up);
+    // SAFETY: `q` came from `a` with `two_up` and is freed once.
+    unsafe { a.dealloc(q, two_up) };
+    let allocs = a.stats().num_allocs;
+    let r = alloc_ok(&a, l);
+    assert_ne!(r, q);
+    assert_eq!(a.stats().num_allocs, allocs + 1);
+    // SAFETY: `r` came from `a` with `l` and is freed once.
+    unsafe { a.dealloc(r, l) };
+    assert_eq!(a.check(), Ok(()));
+}
