@@ -2131,13 +2131,7 @@ impl GlobalBfc {
     #[cold]
     #[inline(never)]
     fn alloc_small_slow(&self, c: usize, size: usize, align: usize) -> *mut u8 {
-        let from_cache =
-            tcache::with(|tc| self.with_bound_cache(tc, |h| h.refill_cache(tc, c, (size, align))))
-                .flatten();
-        match from_cache {
-            Some(p) => p,
-            None => self.alloc_locked(size, align),
-        }
+        self.alloc_with_cache(size, align, |h, tc| h.refill_cache(tc, c, (size, align)))
     }
 
     /// A small free the cache's fast path declined: the list is full, the pointer needs checking,
@@ -2146,13 +2140,7 @@ impl GlobalBfc {
     #[cold]
     #[inline(never)]
     fn free_small_slow(&self, ptr: *mut u8, c: usize) {
-        let done = tcache::with(|tc| {
-            self.with_bound_cache(tc, |h| h.free_to_cache(tc, c, ptr as usize))
-                .is_some()
-        });
-        if done != Some(true) {
-            self.free_locked(ptr);
-        }
+        self.free_with_cache(ptr, |h, tc| h.free_to_cache(tc, c, ptr as usize));
     }
 
     /// A medium allocation the thread's cache had no block for: an engine block under the lock
@@ -2161,18 +2149,11 @@ impl GlobalBfc {
     #[cold]
     #[inline(never)]
     fn alloc_medium_slow(&self, m: usize, size: usize, align: usize) -> *mut u8 {
-        let p = tcache::with(|tc| {
-            self.with_bound_cache(tc, |h| {
-                let p = h.allocate(size, align);
-                h.note_slow(tc, tcache::MEDIUM_BIT + m);
-                p
-            })
+        self.alloc_with_cache(size, align, |h, tc| {
+            let p = h.allocate(size, align);
+            h.note_slow(tc, tcache::MEDIUM_BIT + m);
+            p
         })
-        .flatten();
-        match p {
-            Some(p) => p,
-            None => self.alloc_locked(size, align),
-        }
     }
 
     /// A medium free the cache's fast path declined: the stack is full, the table does not name
@@ -2181,10 +2162,33 @@ impl GlobalBfc {
     #[cold]
     #[inline(never)]
     fn free_medium_slow(&self, ptr: *mut u8, m: usize) {
-        let done = tcache::with(|tc| {
-            self.with_bound_cache(tc, |h| h.free_medium_to_cache(tc, m, ptr as usize))
-                .is_some()
-        });
+        self.free_with_cache(ptr, |h, tc| h.free_medium_to_cache(tc, m, ptr as usize));
+    }
+
+    /// The slow paths' allocation: `f` under the lock with the calling thread's cache (bound first
+    /// if it is free to bind), or a plain allocation of `size` at `align` under the lock when the
+    /// thread's cache serves another instance or is gone.
+    #[cfg(feature = "std")]
+    #[inline(always)]
+    fn alloc_with_cache(
+        &self,
+        size: usize,
+        align: usize,
+        f: impl FnOnce(&mut Heap, &ThreadCache) -> *mut u8,
+    ) -> *mut u8 {
+        match tcache::with(|tc| self.with_bound_cache(tc, |h| f(h, tc))).flatten() {
+            Some(p) => p,
+            None => self.alloc_locked(size, align),
+        }
+    }
+
+    /// The slow paths' free: `f` under the lock with the calling thread's cache (bound first if it
+    /// is free to bind), or the plain free of `ptr` under the lock when the thread's cache serves
+    /// another instance or is gone.
+    #[cfg(feature = "std")]
+    #[inline(always)]
+    fn free_with_cache(&self, ptr: *mut u8, f: impl FnOnce(&mut Heap, &ThreadCache)) {
+        let done = tcache::with(|tc| self.with_bound_cache(tc, |h| f(h, tc)).is_some());
         if done != Some(true) {
             self.free_locked(ptr);
         }
