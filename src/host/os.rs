@@ -279,9 +279,14 @@ pub(crate) unsafe fn discard(ptr: usize, size: usize) -> bool {
     }
 }
 
-/// Whether at least half of the `page`-sized pages of `ptr..ptr + size` are resident (`mincore`);
-/// `false` if the kernel cannot tell. Allocates nothing (a 1 KiB stack buffer, 1,024 pages per
-/// call).
+/// Whether at least half of the `page`-sized pages of `ptr..ptr + size` look resident
+/// (`mincore`); `false` if the kernel cannot tell. A range of more than [`PROBE_PAGES`] pages is
+/// judged by a sample, [`PROBE_WINDOWS`] runs of pages spread evenly over it, so the answer costs
+/// the same for 1 MiB as for 1 GiB. (Asking about every page, 1,024 per call, took a fifth of
+/// bench-peers `zeros`' time: 54-55 ms of task clock per run against 45 ms with this sample;
+/// sixteen runs of 16 pages took 57-60 ms, the calls costing more than the pages.) The answer
+/// steers a heuristic (the caller zeroes correctly either way), so a pattern that dodges the
+/// sample costs only time or resident pages. Allocates nothing (a 128-byte stack buffer).
 ///
 /// # Safety
 /// The range is page-aligned and inside a mapping made by [`reserve_uncommitted`].
@@ -294,30 +299,38 @@ pub(crate) unsafe fn mostly_resident(ptr: usize, size: usize, page: usize) -> bo
     }
     #[cfg(not(miri))]
     {
-        const STEP: usize = 1024;
-        let mut v = [0u8; STEP];
         let pages = size / page;
-        let (mut at, mut resident) = (0, 0);
-        while at < pages {
-            let n = (pages - at).min(STEP);
-            // SAFETY: the range lies in our mapping (the caller's promise); `v` holds `n` bytes,
-            // one per page asked about.
+        // Runs of `run` pages starting every `stride` pages: the whole range when it is small.
+        let (runs, run, stride) = if pages <= PROBE_PAGES {
+            (1, pages, 0)
+        } else {
+            let run = PROBE_PAGES / PROBE_WINDOWS;
+            (PROBE_WINDOWS, run, pages / PROBE_WINDOWS)
+        };
+        let mut v = [0u8; PROBE_PAGES];
+        let mut resident = 0;
+        for i in 0..runs {
+            let at = ptr + i * stride * page;
+            // SAFETY: `i * stride + run <= pages` (a run starts at most `pages - pages /
+            // PROBE_WINDOWS` in and `run <= pages / PROBE_WINDOWS`), so the run lies in the
+            // caller's range, in our mapping; `v` holds `run <= PROBE_PAGES` bytes, one per page.
             let rc = unsafe {
-                libc::mincore(
-                    (ptr + at * page) as *mut libc::c_void,
-                    n * page,
-                    v.as_mut_ptr().cast(),
-                )
+                libc::mincore(at as *mut libc::c_void, run * page, v.as_mut_ptr().cast())
             };
             if rc != 0 {
                 return false;
             }
-            resident += v[..n].iter().filter(|&&b| b & 1 != 0).count();
-            at += n;
+            resident += v[..run].iter().filter(|&&b| b & 1 != 0).count();
         }
-        2 * resident >= pages
+        2 * resident >= runs * run
     }
 }
+
+/// The most pages [`mostly_resident`] asks the kernel about.
+const PROBE_PAGES: usize = 128;
+
+/// How many runs of pages [`mostly_resident`] samples from a range of more than [`PROBE_PAGES`].
+const PROBE_WINDOWS: usize = 4;
 
 /// Makes `ptr..ptr + size` read as zero: returns its pages to the kernel, or, where the kernel
 /// refuses, writes the zeros.
@@ -415,5 +428,77 @@ pub(crate) mod tests {
                 true
             }
         }
+    }
+}
+
+#[cfg(all(test, not(miri), not(loom)))]
+mod probe_tests {
+    use super::*;
+
+    /// A committed, untouched mapping of `pages` pages; unmapped on drop.
+    struct Pages(usize, usize);
+
+    impl Pages {
+        fn new(pages: usize) -> Self {
+            let size = pages * page_size();
+            let r = reserve_uncommitted(size).expect("reserve");
+            // A touch must fault in one page, not a huge one (transparent huge pages `always`).
+            no_huge_pages(r, size);
+            let p = r.as_ptr() as usize;
+            // SAFETY: the range is the reservation just made.
+            assert!(unsafe { commit(p, size) });
+            Pages(p, pages)
+        }
+
+        fn touch(&self, page: usize) {
+            // SAFETY: `page` lies in the committed mapping.
+            unsafe { *((self.0 + page * page_size()) as *mut u8) = 1 };
+        }
+
+        fn mostly_resident(&self) -> bool {
+            // SAFETY: the whole mapping, page-aligned.
+            unsafe { mostly_resident(self.0, self.1 * page_size(), page_size()) }
+        }
+    }
+
+    impl Drop for Pages {
+        fn drop(&mut self) {
+            // SAFETY: our own mapping, no longer used.
+            unsafe { libc::munmap(self.0 as *mut libc::c_void, self.1 * page_size()) };
+        }
+    }
+
+    #[test]
+    fn a_range_is_mostly_resident_when_at_least_half_its_pages_are() {
+        for (pages, touched, expected) in [
+            (100, 0, false),
+            (100, 49, false),
+            (100, 50, true),
+            (100, 100, true),
+            (4096, 0, false),
+            (4096, 4096, true),
+            // The first quarter or three quarters, in large ranges judged by a sample: the runs
+            // asked about are spread over the whole range.
+            (4096, 1024, false),
+            (4096, 3072, true),
+            (4099, 1025, false),
+            (4099, 3075, true),
+        ] {
+            let m = Pages::new(pages);
+            (0..touched).for_each(|i| m.touch(i));
+            assert_eq!(m.mostly_resident(), expected, "{touched} of {pages} pages");
+        }
+    }
+
+    #[test]
+    fn a_sparsely_written_range_is_not_mostly_resident_and_a_discarded_one_neither() {
+        let m = Pages::new(4096);
+        (0..4096).step_by(64).for_each(|i| m.touch(i));
+        assert!(!m.mostly_resident());
+        (0..4096).for_each(|i| m.touch(i));
+        assert!(m.mostly_resident());
+        // SAFETY: the whole mapping, committed, holding nothing needed.
+        assert!(unsafe { discard(m.0, 4096 * page_size()) });
+        assert!(!m.mostly_resident());
     }
 }
