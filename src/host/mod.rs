@@ -38,7 +38,8 @@
 //! more start at a 64 KiB boundary where the arena has room for the padding, so the first pages of a
 //! new large block are likely already touched. With `std`, requests above 16 KiB and up to 64 KiB
 //! (alignment at most 16 bytes) are *medium*: rounded up to one of eight classes (20 to 64 KiB,
-//! four per power of two) so that thread caches can keep freed ones for reuse (see `medium.rs`).
+//! four per power of two) so that thread caches can keep freed ones for reuse, and start on a
+//! 32 KiB grid, for the same reason as large blocks (see `medium.rs`).
 //!
 //! # Thread caches (`std`)
 //!
@@ -1209,17 +1210,18 @@ impl Heap {
     }
 
     /// A medium block of class `m` for a request of `size` bytes at `align`: an engine block of
-    /// the class size at [`medium::MEDIUM_ALIGN`], noted in the medium table when it has exactly
+    /// the class size on the [`medium::MEDIUM_GRID`] where the arena has room for the padding (else
+    /// at [`medium::MEDIUM_ALIGN`]), noted in the medium table when it has exactly
     /// that size (a thread cache may then keep it when it is freed).
     #[cfg(feature = "std")]
     #[inline]
     fn allocate_medium(&mut self, m: usize, size: usize, align: usize) -> *mut u8 {
         let Some(b) =
-            // The 64 KiB class on the 64 KiB grid too, as every block of 64 KiB or more.
+            // On the medium grid; the 64 KiB class on the 64 KiB grid, as every larger block.
             self.allocate_engine(
                 medium::class_size(m),
                 medium::MEDIUM_ALIGN,
-                Self::grid(medium::class_size(m), medium::MEDIUM_ALIGN),
+                Self::grid(medium::class_size(m), medium::MEDIUM_GRID),
                 (size, align),
             )
         else {

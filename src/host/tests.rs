@@ -406,7 +406,8 @@ fn a_thread_that_reenters_the_heap_lock_aborts() {
 fn blocks_starting_in_one_map_block_are_each_found() {
     let a = small_instance();
     let tiny = Layout::from_size_align(32, 8192).unwrap();
-    let mid = Layout::from_size_align(small::SMALL_MAX + 16, 16).unwrap();
+    // (Aligned beyond what medium blocks serve: those start on the medium grid, not behind `tiny`.)
+    let mid = Layout::from_size_align(small::SMALL_MAX + 16, 32).unwrap();
     let mut blocks = std::vec::Vec::new();
     for _ in 0..64 {
         // SAFETY: non-zero sizes; every block is freed below with its (last) layout.
@@ -921,13 +922,15 @@ unsafe fn filled_with(p: *const u8, len: usize, byte: u8) -> bool {
         .all(|&b| b == byte)
 }
 
-/// The neighbour of [`block_beside_a_neighbour`]: an engine block (just above the slab limit, a
-/// medium block).
+/// The neighbour of [`block_beside_a_neighbour`]: an engine block just above the slab limit,
+/// aligned beyond what medium blocks serve (a medium block would start on the medium grid, not
+/// right after the block).
 fn neighbour() -> Layout {
-    Layout::from_size_align(small::SMALL_MAX + 904, 8).unwrap()
+    Layout::from_size_align(small::SMALL_MAX + 904, 32).unwrap()
 }
 
-/// Allocates a block of `layout` and the [`neighbour`] right after it (asserted); fills the
+/// Allocates a block of `layout` (whose usable size must end on a 32-byte boundary, the
+/// neighbour's alignment) and the [`neighbour`] right after it (asserted); fills the
 /// block, all of its usable size, with 0xa5 and the neighbour with 0x5a. Returns the block, its
 /// usable size and the neighbour; the caller frees both.
 fn block_beside_a_neighbour(a: &GlobalBfc, layout: Layout) -> (*mut u8, usize, *mut u8) {
@@ -1039,7 +1042,7 @@ fn a_huge_block_freed_at_the_top_goes_back_whole() {
 fn a_huge_interior_block_gives_back_its_pages_at_once_and_spares_its_neighbours() {
     let a = big_instance();
     // Not a page multiple: the block's last page is shared with the next block.
-    let huge = Layout::from_size_align(MAX_RETAIN + 100, 8).unwrap();
+    let huge = Layout::from_size_align(MAX_RETAIN + 96, 8).unwrap();
     let keep = Layout::from_size_align(32 << 20, 4096).unwrap();
     let (p, usable, n) = block_beside_a_neighbour(&a, huge);
     // SAFETY: a non-zero size.
@@ -1068,7 +1071,7 @@ fn a_huge_interior_block_gives_back_its_pages_at_once_and_spares_its_neighbours(
 #[cfg_attr(miri, ignore = "Miri has no mincore")]
 fn a_sweep_spares_the_page_a_free_chunk_shares_with_a_live_block() {
     let a = big_instance();
-    let block = Layout::from_size_align((3 << 19) + 48, 16).unwrap();
+    let block = Layout::from_size_align((3 << 19) + 32, 16).unwrap();
     let (p, usable, n) = block_beside_a_neighbour(&a, block);
     assert_ne!(
         (p as usize + usable) % os::page_size(),
@@ -1284,7 +1287,7 @@ fn zeroed_blocks_below_the_end_of_touched_memory_are_zero() {
 fn a_large_zeroed_block_spares_the_next_blocks_page() {
     let a = big_instance();
     // Zeroed by giving pages back, and no page multiple.
-    let big = Layout::from_size_align(ZERO_BY_DISCARD + 100, 8).unwrap();
+    let big = Layout::from_size_align(ZERO_BY_DISCARD + 96, 8).unwrap();
     let (p, _, n) = block_beside_a_neighbour(&a, big);
     // SAFETY: `p` came from `a.alloc(big)`.
     unsafe { a.dealloc(p, big) };
@@ -1700,7 +1703,7 @@ fn sweeps_wait_longer_when_much_memory_is_in_use() {
 #[cfg_attr(miri, ignore = "a 64 MiB block in a 512 MiB arena")]
 fn a_huge_interior_block_given_back_at_once_is_not_dirty() {
     let a = big_instance();
-    let huge = Layout::from_size_align(MAX_RETAIN + 100, 8).unwrap();
+    let huge = Layout::from_size_align(MAX_RETAIN + 96, 8).unwrap();
     let (p, _, n) = block_beside_a_neighbour(&a, huge);
     let dirty = a.with_heap(|h| h.dirty).unwrap();
     // SAFETY: `p` came from `a.alloc(huge)`.
@@ -2171,6 +2174,60 @@ fn medium_blocks_are_cached_and_reused_by_their_class() {
     assert_eq!(a.flush_thread_cache(), 2);
     assert_eq!((a.usable_size(p), a.usable_size(r)), (None, None));
     assert_eq!(a.stats().bytes_cached, 0);
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// New medium blocks start on the medium grid (32 KiB; 64 KiB for the 64 KiB class), also where
+/// the free space before them is not aligned (the padding stays free), so the pages that hold
+/// their starts are few and the same ones again.
+#[test]
+fn medium_blocks_start_on_the_medium_grid() {
+    let a = small_instance();
+    // One request per class, 20 to 64 KiB.
+    let sizes = [
+        16 << 10 | 1,
+        24 << 10,
+        27_000,
+        32 << 10,
+        33 << 10,
+        48 << 10,
+        50_000,
+        64 << 10,
+    ];
+    let mut live = std::vec::Vec::new();
+    let mut off_grid = 0;
+    for i in 0..48 {
+        // An engine block on no grid (aligned beyond what medium blocks serve, an odd size): the
+        // free space after it is not aligned. Every other one is freed again.
+        let odd = layout(small::SMALL_MAX + 16 + i * 48, 32);
+        let o = alloc_ok(&a, odd);
+        // (Medium blocks are not freed in the loop: each request is a new engine block.)
+        let l = layout(sizes[i % sizes.len()], 8);
+        let p = alloc_ok(&a, l);
+        let grid = if a.usable_size(p) == Some(64 << 10) {
+            64 << 10
+        } else {
+            medium::MEDIUM_GRID
+        };
+        assert_eq!(p as usize % grid, 0, "{l:?} at {p:p}");
+        off_grid += usize::from(o as usize % medium::MEDIUM_GRID != 0);
+        live.push((p, l));
+        if i % 2 == 0 {
+            // SAFETY: `o` came from `a` with `odd` and is freed once.
+            unsafe { a.dealloc(o, odd) };
+        } else {
+            live.push((o, odd));
+        }
+    }
+    // (The odd blocks themselves were off the grid: the test placed medium blocks after them.)
+    assert!(off_grid > 24, "only {off_grid} odd blocks off the grid");
+    assert_eq!(a.check(), Ok(()));
+    for (p, l) in live {
+        // SAFETY: each block came from `a` with its layout and is freed once.
+        unsafe { a.dealloc(p, l) };
+    }
+    a.flush_thread_cache();
+    assert_eq!(a.stats().bytes_in_use, 0);
     assert_eq!(a.check(), Ok(()));
 }
 
