@@ -1199,10 +1199,10 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
             let mut scanned = 0;
             while let Some(h) = cur {
                 let c = self.table.get(h);
-                // (No aligned start at all for a chunk within `align` of the address space's end.)
-                let fits = c
-                    .ptr()
-                    .checked_next_multiple_of(align)
+                // (No aligned start at all for a chunk within `align` of the address space's end.
+                // `align` is a power of two: a mask, not the division `checked_next_multiple_of`
+                // makes of a run-time divisor, once per chunk looked at.)
+                let fits = round_up(c.ptr(), align)
                     .is_some_and(|start| start - c.ptr() + rounded <= c.size());
                 if fits && best.is_none_or(|(bs, bp, _)| (c.size(), c.ptr()) < (bs, bp)) {
                     best = Some((c.size(), c.ptr(), h));
