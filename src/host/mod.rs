@@ -47,8 +47,8 @@
 //! small allocations and frees take no lock (see `tcache.rs` for the protocol), and stacks of freed
 //! medium blocks, so a medium block freed and taken again by its thread skips the lock and the
 //! engine:
-//! - at most [`MAX_CACHED_BYTES`] (1,711 KiB) per thread: 1,199 KiB of small blocks, where a refill
-//!   or an overflow moves half a stack, and 4 blocks of each medium class, 512 KiB of them in all,
+//! - at most [`MAX_CACHED_BYTES`] (1,967 KiB) per thread: 1,199 KiB of small blocks, where a refill
+//!   or an overflow moves half a stack, and 8 blocks of each medium class, 768 KiB of them in all,
 //!   where a miss takes one block from the engine and an overflow gives half the class's stack back
 //!   to it;
 //! - a block freed on another thread joins that thread's cache; a full cache gives half a stack to

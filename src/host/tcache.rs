@@ -30,8 +30,8 @@
 //! most 1,199 KiB of small blocks. The stacks take 15 KiB of thread-local storage per thread.
 //!
 //! **Medium blocks** (engine blocks of a medium class, 20 to 64 KiB: see `medium.rs`) have stacks
-//! of their own, of [`MEDIUM_BIN`] (4) blocks per class and at most [`MEDIUM_BUDGET`] (512 KiB) in
-//! all, so a thread caches at most [`MAX_CACHED_BYTES`] (1,711 KiB, small and medium). A medium
+//! of their own, of [`MEDIUM_BIN`] (8) blocks per class and at most [`MEDIUM_BUDGET`] (768 KiB) in
+//! all, so a thread caches at most [`MAX_CACHED_BYTES`] (1,967 KiB, small and medium). A medium
 //! allocation that neither its class's stack nor the next class's can serve takes one block from
 //! the engine under the lock (no batch: the engine splits blocks from free memory of any size, and
 //! a batch would only hold it); a free that finds the stack or the budget full gives half the
@@ -824,7 +824,7 @@ mod tests {
             assert!(batch(c) >= 4);
         }
         // The figures the module docs and the README quote.
-        assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 1199 + 512);
+        assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 1199 + 768);
         assert_eq!((CACHE_SLOTS * 8).div_ceil(1024), 15);
     }
 

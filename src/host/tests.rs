@@ -2496,12 +2496,15 @@ fn an_allocation_out_of_room_takes_back_cached_medium_blocks() {
 #[test]
 fn a_full_medium_budget_sends_other_classes_to_the_engine() {
     let a = small_instance();
-    let big = [layout(64 << 10, 16), layout(56 << 10, 16)];
-    let held: std::vec::Vec<(*mut u8, Layout)> = big
-        .iter()
-        .flat_map(|&l| (0..medium::MEDIUM_BIN).map(move |_| l))
-        .map(|l| (alloc_ok(&a, l), l))
-        .collect();
+    // As many 64 KiB blocks as the budget and their stack take, then as many of 56 KiB.
+    let n64 = medium::MEDIUM_BIN.min(medium::MEDIUM_BUDGET / (64 << 10));
+    let n56 = medium::MEDIUM_BIN.min((medium::MEDIUM_BUDGET - n64 * (64 << 10)) / (56 << 10));
+    let held: std::vec::Vec<(*mut u8, Layout)> =
+        [(layout(64 << 10, 16), n64), (layout(56 << 10, 16), n56)]
+            .into_iter()
+            .flat_map(|(l, n)| (0..n).map(move |_| l))
+            .map(|l| (alloc_ok(&a, l), l))
+            .collect();
     let l = layout(40 << 10, 16);
     let p = alloc_ok(&a, l);
     for &(q, lq) in &held {
@@ -2509,7 +2512,8 @@ fn a_full_medium_budget_sends_other_classes_to_the_engine() {
         unsafe { a.dealloc(q, lq) };
     }
     let full = a.thread_cache_bytes();
-    assert_eq!(full, medium::MEDIUM_BIN * (120 << 10));
+    assert_eq!(full, n64 * (64 << 10) + n56 * (56 << 10));
+    // (The test's premise: a 40 KiB block does not fit beside them.)
     assert!(full + (40 << 10) > medium::MEDIUM_BUDGET);
     // SAFETY: `p` came from `a` with `l` and is freed once.
     unsafe { a.dealloc(p, l) };
