@@ -442,16 +442,17 @@ fn blocks_of_64_kib_or_more_start_at_64_kib_boundaries() {
     // SAFETY: non-zero layouts; each block is written within its size and freed once with its
     // layout.
     unsafe {
-        // Interleaved with odd-sized medium blocks, so the free space is never aligned by chance.
+        // Interleaved with odd-sized engine blocks, so the free space is never aligned by chance.
         for (i, size) in [65_536usize, 70_001, 1 << 20, 3 << 20, 65_537, 200_000]
             .into_iter()
             .cycle()
             .take(60)
             .enumerate()
         {
-            // (Engine blocks: above the 16 KiB slab limit.)
-            let medium = Layout::from_size_align((16 << 10) + 4 + i * 48, 8).unwrap();
-            let m = local.alloc(medium);
+            // (Engine blocks placed as they fit: above the 16 KiB slab limit, and aligned beyond
+            // what medium blocks, which start on a grid of their own, serve.)
+            let odd = Layout::from_size_align((16 << 10) + 4 + i * 48, 32).unwrap();
+            let m = local.alloc(odd);
             assert!(!m.is_null());
             let l = Layout::from_size_align(size, 8).unwrap();
             let p = local.alloc(l);
@@ -463,7 +464,7 @@ fn blocks_of_64_kib_or_more_start_at_64_kib_boundaries() {
                 let (q, lq) = live.swap_remove(i % live.len());
                 local.dealloc(q, lq);
             }
-            local.dealloc(m, medium);
+            local.dealloc(m, odd);
         }
         // A grown block is on the grid, whether it moved (a new block) or stayed.
         let (p, l) = live.pop().unwrap();

@@ -1233,14 +1233,15 @@ impl Heap {
         b.ptr as *mut u8
     }
 
-    /// The grid a new engine block of `size` bytes at `align` starts on where the arena has room
-    /// for the padding: 64 KiB for blocks of 64 KiB or more (module docs), else `align`.
+    /// The grid a new engine block of `size` bytes starts on where the arena has room for the
+    /// padding: 64 KiB for blocks of 64 KiB or more (module docs), else `grid` (the block's
+    /// alignment, or the medium grid for a medium block).
     #[inline]
-    fn grid(size: usize, align: usize) -> usize {
+    fn grid(size: usize, grid: usize) -> usize {
         if size >= LARGE_ALIGN {
-            align.max(LARGE_ALIGN)
+            grid.max(LARGE_ALIGN)
         } else {
-            align
+            grid
         }
     }
 
@@ -1313,8 +1314,9 @@ impl Heap {
         };
     }
 
-    /// An engine block for a large request: on the preferred grid `grid`, else (near the arena's
-    /// limit the padding it needs may not fit) at the requested alignment `align`.
+    /// An engine block for a large or medium request: on the preferred grid `grid`, else (no hole
+    /// has room for the padding it needs, nor the arena near its limit) at the requested alignment
+    /// `align`.
     #[inline]
     fn large_block(&mut self, size: usize, grid: usize, align: usize) -> Option<Allocated> {
         let found = self.engine_block(size, grid);

@@ -934,8 +934,8 @@ fn neighbour() -> Layout {
 /// block, all of its usable size, with 0xa5 and the neighbour with 0x5a. Returns the block, its
 /// usable size and the neighbour; the caller frees both.
 fn block_beside_a_neighbour(a: &GlobalBfc, layout: Layout) -> (*mut u8, usize, *mut u8) {
-    // An earlier neighbour waiting in this thread's cache would be handed out again, wherever it
-    // lies.
+    // Blocks an earlier step left in this thread's cache go back to the engine first, so the two
+    // land where the engine's fit puts them.
     a.flush_thread_cache();
     // SAFETY: non-zero sizes.
     let (p, n) = unsafe { (a.alloc(layout), a.alloc(neighbour())) };
@@ -2229,6 +2229,126 @@ fn medium_blocks_start_on_the_medium_grid() {
     a.flush_thread_cache();
     assert_eq!(a.stats().bytes_in_use, 0);
     assert_eq!(a.check(), Ok(()));
+}
+
+/// Fills `a`'s arena with engine blocks aligned beyond what medium blocks serve (1 MiB, then
+/// 64 KiB, then just above the slab limit, each size until none fits): what is left free is too
+/// small for any medium block. Returns them for the caller to free.
+fn fill_engine(a: &GlobalBfc) -> std::vec::Vec<(*mut u8, Layout)> {
+    let mut live = std::vec::Vec::new();
+    for size in [1 << 20, 64 << 10, small::SMALL_MAX + 16] {
+        let l = layout(size, 32);
+        loop {
+            // SAFETY: a non-zero size; the caller frees each block once with `l`.
+            let p = unsafe { a.alloc(l) };
+            if p.is_null() {
+                break;
+            }
+            live.push((p, l));
+        }
+    }
+    live
+}
+
+/// The medium grid is a preference: a medium request that only an unaligned hole can serve
+/// (with or without thread caches) takes it, and the block is a medium block as any other.
+#[test]
+fn a_medium_request_takes_a_hole_off_the_grid() {
+    for cache in [false, true] {
+        let a = small_instance_with_caches(cache);
+        let mut live = fill_engine(&a);
+        let i = live.iter().position(|&(_, l)| l.size() == 1 << 20).unwrap();
+        let (x, xl) = live.swap_remove(i);
+        // SAFETY: `x` came from `a` with `xl` and is freed once.
+        unsafe { a.dealloc(x, xl) };
+        // Refill the freed 1 MiB but for a 24 KiB hole 32 bytes past a grid point: no grid point
+        // in it has 20 KiB behind it.
+        let x = x as usize;
+        let hole = 24 << 10;
+        let h = (x + (64 << 10)).next_multiple_of(medium::MEDIUM_GRID) + 32;
+        let (la, lh) = (layout(h - x, 32), layout(hole, 32));
+        let ld = layout(x + (1 << 20) - h - hole, 32);
+        let (pa, ph, pd) = (alloc_ok(&a, la), alloc_ok(&a, lh), alloc_ok(&a, ld));
+        assert_eq!(
+            (pa as usize, ph as usize, pd as usize),
+            (x, h, h + hole),
+            "cache {cache}: the refill did not take the freed block's place"
+        );
+        live.extend([(pa, la), (pd, ld)]);
+        let m = layout(20_000, 8);
+        // SAFETY: a non-zero size (nothing to free: asserted null).
+        assert!(
+            unsafe { a.alloc(m) }.is_null(),
+            "cache {cache}: room left elsewhere"
+        );
+        // SAFETY: `ph` came from `a` with `lh` and is freed once.
+        unsafe { a.dealloc(ph, lh) };
+        let p = alloc_ok(&a, m);
+        assert_eq!(
+            p as usize, h,
+            "cache {cache}: the medium request missed the hole"
+        );
+        assert_eq!(a.usable_size(p), Some(20 << 10));
+        assert_eq!(a.check(), Ok(()));
+        // It is a medium block: freed and taken again by another request of its class.
+        // SAFETY: `p` came from `a` with `m` and is freed once.
+        unsafe { a.dealloc(p, m) };
+        let other = layout(19_000, 16);
+        let q = alloc_ok(&a, other);
+        assert_eq!(q as usize, h, "cache {cache}");
+        live.push((q, other));
+        for (p, l) in live {
+            // SAFETY: each block came from `a` with its layout and is freed once.
+            unsafe { a.dealloc(p, l) };
+        }
+        a.flush_thread_cache();
+        assert_eq!(a.stats().bytes_in_use, 0);
+        assert_eq!(a.check(), Ok(()));
+    }
+}
+
+/// The same at the arena's end: the last 24 KiB (the grid points around them have no 20 KiB
+/// behind them inside the arena) still serve a medium request.
+#[test]
+fn a_medium_request_takes_the_end_of_the_arena_off_the_grid() {
+    for cache in [false, true] {
+        let a = small_instance_with_caches(cache);
+        let mut live = fill_engine(&a);
+        let end = a.with_heap(|h| h.arena_end).unwrap();
+        assert_eq!(end % (64 << 10), 0);
+        let i = live
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, (p, _))| *p as usize)
+            .unwrap()
+            .0;
+        let (x, xl) = live.swap_remove(i);
+        // SAFETY: `x` came from `a` with `xl` and is freed once.
+        unsafe { a.dealloc(x, xl) };
+        let x = x as usize;
+        let h = end - (24 << 10);
+        assert!(h > x);
+        let la = layout(h - x, 32);
+        let pa = alloc_ok(&a, la);
+        assert_eq!(pa as usize, x);
+        assert_eq!(a.usable_size(pa), Some(h - x));
+        live.push((pa, la));
+        let m = layout(20_000, 8);
+        let p = alloc_ok(&a, m);
+        assert_eq!(
+            p as usize, h,
+            "cache {cache}: the medium request missed the arena's end"
+        );
+        assert_eq!(a.check(), Ok(()));
+        live.push((p, m));
+        for (p, l) in live {
+            // SAFETY: each block came from `a` with its layout and is freed once.
+            unsafe { a.dealloc(p, l) };
+        }
+        a.flush_thread_cache();
+        assert_eq!(a.stats().bytes_in_use, 0);
+        assert_eq!(a.check(), Ok(()));
+    }
 }
 
 /// A thread caches at most `MEDIUM_BIN` blocks of a medium class and `MEDIUM_BUDGET` bytes of
