@@ -2277,10 +2277,8 @@ fn a_medium_request_takes_a_hole_off_the_grid() {
         live.extend([(pa, la), (pd, ld)]);
         let m = layout(20_000, 8);
         // SAFETY: a non-zero size (nothing to free: asserted null).
-        assert!(
-            unsafe { a.alloc(m) }.is_null(),
-            "cache {cache}: room left elsewhere"
-        );
+        let none = unsafe { a.alloc(m) };
+        assert!(none.is_null(), "cache {cache}: room left elsewhere");
         // SAFETY: `ph` came from `a` with `lh` and is freed once.
         unsafe { a.dealloc(ph, lh) };
         let p = alloc_ok(&a, m);
