@@ -450,8 +450,8 @@ fn blocks_of_64_kib_or_more_start_at_64_kib_boundaries() {
             .enumerate()
         {
             // (Engine blocks placed as they fit: above the 16 KiB slab limit, and aligned beyond
-            // what medium blocks, which start on a grid of their own, serve.)
-            let odd = Layout::from_size_align((16 << 10) + 4 + i * 48, 32).unwrap();
+            // what medium blocks, which start on a grid of their own, serve: 128 bytes.)
+            let odd = Layout::from_size_align((16 << 10) + 4 + i * 48, 256).unwrap();
             let m = local.alloc(odd);
             assert!(!m.is_null());
             let l = Layout::from_size_align(size, 8).unwrap();

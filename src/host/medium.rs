@@ -1,10 +1,10 @@
 //! Medium blocks (`std` builds): engine blocks of 16..64 KiB that thread caches keep for reuse.
 //!
 //! A request above the slab layer's 16 KiB and at most [`MEDIUM_MAX`] (64 KiB), aligned to at most
-//! [`MEDIUM_ALIGN`] (16 bytes), is rounded up to one of [`NUM_MEDIUM`] classes (four per power of
+//! [`MEDIUM_ALIGN`] (128 bytes: SIMD vectors, cache lines, `crossbeam`'s `CachePadded`), is rounded up to one of [`NUM_MEDIUM`] classes (four per power of
 //! two: 20, 24, 28, 32, 40, 48, 56 and 64 KiB) and served by the engine as a block of exactly that
 //! size, starting on the [`MEDIUM_GRID`] (32 KiB) grid where the arena has room for the padding
-//! (else at a 16-byte boundary). Such a block is interchangeable with any other of its class, so a
+//! (else at a 128-byte boundary). Such a block is interchangeable with any other of its class, so a
 //! thread's cache keeps a few freed ones per class and hands them out again without the lock, the
 //! engine's best-fit search, its splitting or its coalescing (cachegrind on bench-peers `med`:
 //! about 900 instructions for an allocation and a free through the engine, about 90 through the
@@ -53,8 +53,10 @@ use super::small::SMALL_MAX;
 
 /// Largest medium request.
 pub(crate) const MEDIUM_MAX: usize = 64 << 10;
-/// Largest alignment of a medium request; every medium block is aligned to it.
-pub(crate) const MEDIUM_ALIGN: usize = 16;
+/// Largest alignment of a medium request; every medium block is aligned to it (128 bytes: the
+/// alignments above the default that programs ask for most, SIMD vectors and cache lines, take
+/// the cached path too; a page-aligned request goes to the engine, placed as it fits).
+pub(crate) const MEDIUM_ALIGN: usize = 128;
 /// Where a new medium block starts, when the arena has room for the padding (see the module docs):
 /// a multiple of 32 KiB (64 KiB for the 64 KiB class, as for every larger engine block).
 pub(crate) const MEDIUM_GRID: usize = 32 << 10;
@@ -105,8 +107,8 @@ pub(crate) fn class_for(size: usize, align: usize) -> Option<usize> {
 
 /// The table entry of a class `m` block starting at `p` (aligned to [`MEDIUM_ALIGN`]): the class
 /// plus one, and the start's offset in its window in units of 8 bytes. Never 0. (A pointer off
-/// the 16-byte grid shares its entry with the block start below it: readers check the alignment
-/// first.)
+/// the 8-byte grid shares its entry with the block start below it: readers compare the decoded
+/// start, or check the alignment first.)
 #[inline(always)]
 pub(crate) const fn entry(m: usize, p: usize) -> u16 {
     ((m as u16 + 1) << 11) | ((p & ((1 << WINDOW_SHIFT) - 1)) >> 3) as u16
@@ -153,9 +155,11 @@ impl Table {
         &self.entries[(p - self.arena) >> WINDOW_SHIFT]
     }
 
-    /// Notes a class `m` block of exactly its class size at `p`.
+    /// Notes a class `m` block of exactly its class size at `p` (aligned to [`MEDIUM_ALIGN`]: a
+    /// cache may hand it out for any medium request).
     #[inline]
     pub(crate) fn set(&self, m: usize, p: usize) {
+        debug_assert_eq!(p % MEDIUM_ALIGN, 0);
         self.slot(p).store(entry(m, p), Relaxed);
     }
 
@@ -179,9 +183,12 @@ impl Table {
     }
 
     /// The class of the medium block starting at `p` (any address), if the table names one (to the
-    /// byte: the entry's start, decoded, is `p`).
+    /// byte: the entry's start, decoded, is `p`, aligned to [`MEDIUM_ALIGN`]).
     #[inline]
     pub(crate) fn class_of(&self, p: usize) -> Option<usize> {
+        if p % MEDIUM_ALIGN != 0 {
+            return None;
+        }
         let e = self
             .entries
             .get(p.wrapping_sub(self.arena) >> WINDOW_SHIFT)?
@@ -211,7 +218,8 @@ mod tests {
     fn classes_cover_every_medium_size_with_the_smallest_fit() {
         assert_eq!(class_for(SMALL_MAX, 1), None);
         assert_eq!(class_for(MEDIUM_MAX + 1, 1), None);
-        assert_eq!(class_for(20 << 10, 32), None);
+        assert_eq!(class_for(20 << 10, MEDIUM_ALIGN), Some(0));
+        assert_eq!(class_for(20 << 10, 2 * MEDIUM_ALIGN), None);
         for size in SMALL_MAX + 1..=MEDIUM_MAX {
             let m = class_for(size, 16).unwrap();
             assert!(class_size(m) >= size, "{size}");
@@ -244,7 +252,7 @@ mod tests {
         let entries = std::boxed::Box::leak(entries.into_boxed_slice());
         let arena = 1 << 30;
         let t = Table::new(arena, entries);
-        let p = arena + (2 << WINDOW_SHIFT) + 0x40;
+        let p = arena + (2 << WINDOW_SHIFT) + MEDIUM_ALIGN;
         t.set(3, p);
         assert!(t.is(3, p) && !t.is(2, p));
         // A small engine block starting in the same window, before the medium one, is freed.

@@ -37,7 +37,7 @@
 //! Everything larger goes to the engine, with its best fit and coalescing; new blocks of 64 KiB or
 //! more start at a 64 KiB boundary where the arena has room for the padding, so the first pages of a
 //! new large block are likely already touched. With `std`, requests above 16 KiB and up to 64 KiB
-//! (alignment at most 16 bytes) are *medium*: rounded up to one of eight classes (20 to 64 KiB,
+//! (alignment at most 128 bytes) are *medium*: rounded up to one of eight classes (20 to 64 KiB,
 //! four per power of two) so that thread caches can keep freed ones for reuse, and start on a
 //! 32 KiB grid, for the same reason as large blocks (see `medium.rs`).
 //!
@@ -1524,13 +1524,16 @@ impl Heap {
         {
             let mut bad = None;
             self.medium.walk(self.brk, |p, m| {
-                if bad.is_none() && self.bfc.usable_size(p) != Ok(medium::class_size(m)) {
+                if bad.is_none()
+                    && (self.bfc.usable_size(p) != Ok(medium::class_size(m))
+                        || p % medium::MEDIUM_ALIGN != 0)
+                {
                     bad = Some(p);
                 }
             });
             if let Some(p) = bad {
                 return Err(CheckError {
-                    what: "the medium table names a block that is not a live block of its class",
+                    what: "the medium table names a block that is not a live, aligned block of its class",
                     at: Some(p),
                 });
             }
@@ -1821,7 +1824,11 @@ impl Heap {
                 #[cfg(feature = "std")]
                 {
                     self.medium.clear(p);
-                    if let Some(m) = class.filter(|&m| size == medium::class_size(m)) {
+                    // (Only a block a cache may hand out for any medium request: aligned to
+                    // `MEDIUM_ALIGN`, which a block placed for another request may not be.)
+                    if let Some(m) = class
+                        .filter(|&m| size == medium::class_size(m) && p % medium::MEDIUM_ALIGN == 0)
+                    {
                         self.medium.set(m, p);
                     }
                 }

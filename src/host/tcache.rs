@@ -486,7 +486,7 @@ impl ThreadCache {
     #[inline(always)]
     pub(crate) fn medium_class(&self, m: usize, p: usize) -> Option<usize> {
         let offset = p.wrapping_sub(self.arena.get());
-        // (The entry names a block start to 8 bytes; medium blocks start on 16.)
+        // (The entry names a block start to 8 bytes; medium blocks start on `MEDIUM_ALIGN`.)
         if offset >= self.arena_len.get() || p & (medium::MEDIUM_ALIGN - 1) != 0 {
             return None;
         }

@@ -407,7 +407,7 @@ fn blocks_starting_in_one_map_block_are_each_found() {
     let a = small_instance();
     let tiny = Layout::from_size_align(32, 8192).unwrap();
     // (Aligned beyond what medium blocks serve: those start on the medium grid, not behind `tiny`.)
-    let mid = Layout::from_size_align(small::SMALL_MAX + 16, 32).unwrap();
+    let mid = Layout::from_size_align(small::SMALL_MAX + 16, BEYOND_MEDIUM).unwrap();
     let mut blocks = std::vec::Vec::new();
     for _ in 0..64 {
         // SAFETY: non-zero sizes; every block is freed below with its (last) layout.
@@ -458,10 +458,10 @@ fn the_recorded_end_of_touched_memory_covers_whole_blocks() {
     // A request that is not a multiple of the granule gets a larger block; its caller may write
     // all of it (`usable_size`), so the heap's end of touched memory must cover it.
     let a = small_instance();
-    // Engine blocks of the requested size: above the slab limit, aligned beyond the medium
-    // classes' 16 bytes.
+    // Engine blocks of the requested size: above the slab limit, aligned beyond what medium
+    // blocks serve.
     let (size, grown) = (small::SMALL_MAX + 905, small::SMALL_MAX + 4905);
-    let layout = Layout::from_size_align(size, 32).unwrap();
+    let layout = Layout::from_size_align(size, BEYOND_MEDIUM).unwrap();
     // SAFETY: a non-zero size.
     let p = unsafe { a.alloc(layout) };
     assert!(!p.is_null());
@@ -473,7 +473,7 @@ fn the_recorded_end_of_touched_memory_covers_whole_blocks() {
     assert_eq!(a.usable_size(q), Some(grown + 7));
     assert_eq!(a.check(), Ok(()));
     // SAFETY: `q` came from the realloc above, with the new size.
-    unsafe { a.dealloc(q, Layout::from_size_align(grown, 32).unwrap()) };
+    unsafe { a.dealloc(q, Layout::from_size_align(grown, BEYOND_MEDIUM).unwrap()) };
 }
 
 /// How many of the pages of `p..p + len` (page-aligned) are resident.
@@ -926,11 +926,15 @@ unsafe fn filled_with(p: *const u8, len: usize, byte: u8) -> bool {
 /// aligned beyond what medium blocks serve (a medium block would start on the medium grid, not
 /// right after the block).
 fn neighbour() -> Layout {
-    Layout::from_size_align(small::SMALL_MAX + 904, 32).unwrap()
+    Layout::from_size_align(small::SMALL_MAX + 904, BEYOND_MEDIUM).unwrap()
 }
 
-/// Allocates a block of `layout` (whose usable size must end on a 32-byte boundary, the
-/// neighbour's alignment) and the [`neighbour`] right after it (asserted); fills the
+/// An alignment beyond what medium blocks serve: a request of 16..64 KiB with it is an engine
+/// block placed where it fits (not on the medium grid, not cached).
+const BEYOND_MEDIUM: usize = 2 * medium::MEDIUM_ALIGN;
+
+/// Allocates a block of `layout` (whose usable size must end on a [`BEYOND_MEDIUM`] boundary,
+/// the neighbour's alignment) and the [`neighbour`] right after it (asserted); fills the
 /// block, all of its usable size, with 0xa5 and the neighbour with 0x5a. Returns the block, its
 /// usable size and the neighbour; the caller frees both.
 fn block_beside_a_neighbour(a: &GlobalBfc, layout: Layout) -> (*mut u8, usize, *mut u8) {
@@ -1042,7 +1046,7 @@ fn a_huge_block_freed_at_the_top_goes_back_whole() {
 fn a_huge_interior_block_gives_back_its_pages_at_once_and_spares_its_neighbours() {
     let a = big_instance();
     // Not a page multiple: the block's last page is shared with the next block.
-    let huge = Layout::from_size_align(MAX_RETAIN + 96, 8).unwrap();
+    let huge = Layout::from_size_align(MAX_RETAIN + BEYOND_MEDIUM, 8).unwrap();
     let keep = Layout::from_size_align(32 << 20, 4096).unwrap();
     let (p, usable, n) = block_beside_a_neighbour(&a, huge);
     // SAFETY: a non-zero size.
@@ -1071,7 +1075,7 @@ fn a_huge_interior_block_gives_back_its_pages_at_once_and_spares_its_neighbours(
 #[cfg_attr(miri, ignore = "Miri has no mincore")]
 fn a_sweep_spares_the_page_a_free_chunk_shares_with_a_live_block() {
     let a = big_instance();
-    let block = Layout::from_size_align((3 << 19) + 32, 16).unwrap();
+    let block = Layout::from_size_align((3 << 19) + BEYOND_MEDIUM, 16).unwrap();
     let (p, usable, n) = block_beside_a_neighbour(&a, block);
     assert_ne!(
         (p as usize + usable) % os::page_size(),
@@ -1287,7 +1291,7 @@ fn zeroed_blocks_below_the_end_of_touched_memory_are_zero() {
 fn a_large_zeroed_block_spares_the_next_blocks_page() {
     let a = big_instance();
     // Zeroed by giving pages back, and no page multiple.
-    let big = Layout::from_size_align(ZERO_BY_DISCARD + 96, 8).unwrap();
+    let big = Layout::from_size_align(ZERO_BY_DISCARD + BEYOND_MEDIUM, 8).unwrap();
     let (p, _, n) = block_beside_a_neighbour(&a, big);
     // SAFETY: `p` came from `a.alloc(big)`.
     unsafe { a.dealloc(p, big) };
@@ -1703,7 +1707,7 @@ fn sweeps_wait_longer_when_much_memory_is_in_use() {
 #[cfg_attr(miri, ignore = "a 64 MiB block in a 512 MiB arena")]
 fn a_huge_interior_block_given_back_at_once_is_not_dirty() {
     let a = big_instance();
-    let huge = Layout::from_size_align(MAX_RETAIN + 96, 8).unwrap();
+    let huge = Layout::from_size_align(MAX_RETAIN + BEYOND_MEDIUM, 8).unwrap();
     let (p, _, n) = block_beside_a_neighbour(&a, huge);
     let dirty = a.with_heap(|h| h.dirty).unwrap();
     // SAFETY: `p` came from `a.alloc(huge)`.
@@ -2158,8 +2162,8 @@ fn medium_blocks_are_cached_and_reused_by_their_class() {
     assert_ne!(r, p);
     assert_eq!(a.usable_size(r), Some(32 << 10));
     assert_eq!(a.stats().num_allocs, s.num_allocs + 1);
-    // Aligned beyond 16 bytes: an engine block of the request's size, not cached.
-    let aligned = layout(30_000, 64);
+    // Aligned beyond what medium blocks serve: an engine block of the request's size, not cached.
+    let aligned = layout(30_000, BEYOND_MEDIUM);
     let e = alloc_ok(&a, aligned);
     assert_eq!(a.usable_size(e), Some(30_000));
     // SAFETY: each block came from `a` with its layout and is freed once.
@@ -2199,7 +2203,7 @@ fn medium_blocks_start_on_the_medium_grid() {
     for i in 0..48 {
         // An engine block on no grid (aligned beyond what medium blocks serve, an odd size): the
         // free space after it is not aligned. Every other one is freed again.
-        let odd = layout(small::SMALL_MAX + 16 + i * 48, 32);
+        let odd = layout(small::SMALL_MAX + 16 + i * 48, BEYOND_MEDIUM);
         let o = alloc_ok(&a, odd);
         // (Medium blocks are not freed in the loop: each request is a new engine block.)
         let l = layout(sizes[i % sizes.len()], 8);
@@ -2237,7 +2241,7 @@ fn medium_blocks_start_on_the_medium_grid() {
 fn fill_engine(a: &GlobalBfc) -> std::vec::Vec<(*mut u8, Layout)> {
     let mut live = std::vec::Vec::new();
     for size in [1 << 20, 64 << 10, small::SMALL_MAX + 16] {
-        let l = layout(size, 32);
+        let l = layout(size, BEYOND_MEDIUM);
         loop {
             // SAFETY: a non-zero size; the caller frees each block once with `l`.
             let p = unsafe { a.alloc(l) };
@@ -2261,13 +2265,13 @@ fn a_medium_request_takes_a_hole_off_the_grid() {
         let (x, xl) = live.swap_remove(i);
         // SAFETY: `x` came from `a` with `xl` and is freed once.
         unsafe { a.dealloc(x, xl) };
-        // Refill the freed 1 MiB but for a 24 KiB hole 32 bytes past a grid point: no grid point
-        // in it has 20 KiB behind it.
+        // Refill the freed 1 MiB but for a 24 KiB hole just past a grid point: no grid point in it
+        // has 20 KiB behind it.
         let x = x as usize;
         let hole = 24 << 10;
-        let h = (x + (64 << 10)).next_multiple_of(medium::MEDIUM_GRID) + 32;
-        let (la, lh) = (layout(h - x, 32), layout(hole, 32));
-        let ld = layout(x + (1 << 20) - h - hole, 32);
+        let h = (x + (64 << 10)).next_multiple_of(medium::MEDIUM_GRID) + BEYOND_MEDIUM;
+        let (la, lh) = (layout(h - x, BEYOND_MEDIUM), layout(hole, BEYOND_MEDIUM));
+        let ld = layout(x + (1 << 20) - h - hole, BEYOND_MEDIUM);
         let (pa, ph, pd) = (alloc_ok(&a, la), alloc_ok(&a, lh), alloc_ok(&a, ld));
         assert_eq!(
             (pa as usize, ph as usize, pd as usize),
@@ -2326,7 +2330,7 @@ fn a_medium_request_takes_the_end_of_the_arena_off_the_grid() {
         let x = x as usize;
         let h = end - (24 << 10);
         assert!(h > x);
-        let la = layout(h - x, 32);
+        let la = layout(h - x, BEYOND_MEDIUM);
         let pa = alloc_ok(&a, la);
         assert_eq!(pa as usize, x);
         assert_eq!(a.usable_size(pa), Some(h - x));
@@ -2347,6 +2351,74 @@ fn a_medium_request_takes_the_end_of_the_arena_off_the_grid() {
         assert_eq!(a.stats().bytes_in_use, 0);
         assert_eq!(a.check(), Ok(()));
     }
+}
+
+/// Medium requests aligned to more than 16 bytes, up to `MEDIUM_ALIGN`, are medium blocks too:
+/// cached, and handed out again for requests of the class at any of those alignments.
+#[test]
+fn aligned_medium_requests_are_cached() {
+    let a = small_instance();
+    let l64 = layout(30_000, 64);
+    let p = alloc_ok(&a, l64);
+    assert_eq!(p as usize % medium::MEDIUM_ALIGN, 0);
+    assert_eq!(a.usable_size(p), Some(32 << 10));
+    // SAFETY: `p` came from `a` with `l64` and is freed once.
+    unsafe { a.dealloc(p, l64) };
+    assert_eq!(a.thread_cache_bytes(), 32 << 10);
+    let l128 = layout(32 << 10, medium::MEDIUM_ALIGN);
+    let allocs = a.stats().num_allocs;
+    assert_eq!(alloc_ok(&a, l128), p);
+    assert_eq!(a.stats().num_allocs, allocs, "not from the cache");
+    // SAFETY: `p` came from `a` with `l128` and is freed once.
+    unsafe { a.dealloc(p, l128) };
+    a.flush_thread_cache();
+    assert_eq!(a.stats().bytes_in_use, 0);
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A block that a resize in place leaves at a medium class's size but off `MEDIUM_ALIGN` (a large
+/// block placed at 16 bytes near the arena's end) gets no medium table entry: a cache could hand
+/// it out for a request aligned to more. Freed with the medium layout, it goes to the engine.
+#[test]
+fn a_block_resized_into_a_medium_class_off_its_alignment_is_not_named() {
+    let a = small_instance();
+    let mut live = fill_engine(&a);
+    let end = a.with_heap(|h| h.arena_end).unwrap();
+    let i = live
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, (p, _))| *p as usize)
+        .unwrap()
+        .0;
+    let (x, xl) = live.swap_remove(i);
+    // SAFETY: `x` came from `a` with `xl` and is freed once.
+    unsafe { a.dealloc(x, xl) };
+    // The arena's last 100,016 bytes: no 64 KiB grid point in them has 100,000 behind it.
+    let large = layout(100_000, 16);
+    let h = end - 100_016;
+    assert_ne!(h % medium::MEDIUM_ALIGN, 0);
+    let la = layout(h - x as usize, BEYOND_MEDIUM);
+    let pa = alloc_ok(&a, la);
+    assert_eq!(pa, x);
+    live.push((pa, la));
+    let p = alloc_ok(&a, large);
+    assert_eq!(p as usize, h, "not placed off the grid");
+    // SAFETY: `p` came from `a` with `large`; shrunk to a medium class's size.
+    let q = unsafe { a.realloc(p, large, 40_000) };
+    assert_eq!(q, p, "not shrunk in place");
+    assert_eq!(a.usable_size(q), Some(40 << 10));
+    assert_eq!(a.check(), Ok(()));
+    // SAFETY: `q` came from the realloc with this size and is freed once.
+    unsafe { a.dealloc(q, layout(40_000, 16)) };
+    assert_eq!(a.thread_cache_bytes(), 0);
+    assert_eq!(a.usable_size(q), None);
+    for (p, l) in live {
+        // SAFETY: each block came from `a` with its layout and is freed once.
+        unsafe { a.dealloc(p, l) };
+    }
+    a.flush_thread_cache();
+    assert_eq!(a.stats().bytes_in_use, 0);
+    assert_eq!(a.check(), Ok(()));
 }
 
 /// A thread caches at most `MEDIUM_BIN` blocks of a medium class and `MEDIUM_BUDGET` bytes of
@@ -2458,7 +2530,7 @@ fn check_finds_wrong_medium_entries() {
     assert_eq!(
         (e.what, e.at),
         (
-            "the medium table names a block that is not a live block of its class",
+            "the medium table names a block that is not a live, aligned block of its class",
             Some(p as usize)
         )
     );
