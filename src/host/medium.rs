@@ -1,9 +1,9 @@
 //! Medium blocks (`std` builds): engine blocks of 16..64 KiB that thread caches keep for reuse.
 //!
 //! A request above the slab layer's 16 KiB and at most [`MEDIUM_MAX`] (64 KiB), aligned to at most
-//! [`MEDIUM_ALIGN`] (128 bytes: SIMD vectors, cache lines, `crossbeam`'s `CachePadded`), is rounded up to one of [`NUM_MEDIUM`] classes (four per power of
-//! two: 20, 24, 28, 32, 40, 48, 56 and 64 KiB) and served by the engine as a block of exactly that
-//! size, starting on the [`MEDIUM_GRID`] (32 KiB) grid where the arena has room for the padding
+//! [`MEDIUM_ALIGN`] (128 bytes: SIMD vectors, cache lines, `crossbeam`'s `CachePadded`), is
+//! rounded up to one of [`NUM_MEDIUM`] classes (four per power of two: 20, 24, 28, 32, 40, 48, 56
+//! and 64 KiB) and served by the engine as a block of exactly that size, starting on the [`MEDIUM_GRID`] (32 KiB) grid where the arena has room for the padding
 //! (else at a 128-byte boundary). Such a block is interchangeable with any other of its class, so a
 //! thread's cache keeps a few freed ones per class and hands them out again without the lock, the
 //! engine's best-fit search, its splitting or its coalescing (cachegrind on bench-peers `med`:

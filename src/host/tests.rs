@@ -400,8 +400,9 @@ fn a_thread_that_reenters_the_heap_lock_aborts() {
 /// chunk starting in a block. Here three chunks start in one map block, the most the host makes
 /// (engine blocks aligned to at most 4 KiB are larger than the slab limit, 16 KiB, over-aligned ones
 /// start 8 KiB or more apart, and no two free chunks are neighbours): a 32-byte block aligned to
-/// 8 KiB, a block of 16 KiB + 16 bytes cut from the rest behind it, then the first block shrunk in place to 16 bytes, which
-/// leaves a free 16-byte chunk between the two. Each block is found by its own address.
+/// 8 KiB, a block of 16 KiB + 16 bytes cut from the rest behind it (at its alignment, 256 bytes
+/// in), then the first block shrunk in place to 16 bytes, which leaves a free chunk between the
+/// two. Each block is found by its own address.
 #[test]
 fn blocks_starting_in_one_map_block_are_each_found() {
     let a = small_instance();
@@ -423,8 +424,8 @@ fn blocks_starting_in_one_map_block_are_each_found() {
             blocks.push((q, mid));
         }
     }
-    // Some map block holds the starts of a `tiny` block, of the free 16 bytes after it and of a
-    // `mid` block (the rest behind `tiny`, best fit).
+    // Some map block holds the starts of a `tiny` block, of the free chunk after it and of a `mid`
+    // block (the rest behind `tiny`, best fit).
     let most = a
         .with_heap(|h| {
             let mut starts = std::collections::BTreeMap::<usize, usize>::new();
@@ -2135,7 +2136,7 @@ fn alloc_ok(a: &GlobalBfc, l: Layout) -> *mut u8 {
     p
 }
 
-/// Medium blocks (above 16 KiB, at most 64 KiB, aligned to at most 16 bytes) take their class's
+/// Medium blocks (above 16 KiB, at most 64 KiB, aligned to at most `MEDIUM_ALIGN`) take their class's
 /// size; a freed one waits in the thread's cache, still the engine's, and is handed out again for
 /// any request of its class without the engine (the allocation count stays put); another class
 /// gets another block.
@@ -2728,7 +2729,7 @@ fn medium_free_off_the_block_start(case: &str, off: usize) {
     assert_child_aborts("host::tests", case, "into the middle of the block");
 }
 
-/// Off the 16-byte grid (the table names starts to 8 bytes).
+/// Off `MEDIUM_ALIGN` (the table names starts to 8 bytes).
 #[test]
 #[cfg_attr(miri, ignore = "spawns a child process")]
 fn a_medium_free_4_bytes_into_a_block_aborts() {
@@ -2739,6 +2740,17 @@ fn a_medium_free_4_bytes_into_a_block_aborts() {
 #[cfg_attr(miri, ignore = "spawns a child process")]
 fn a_medium_free_16_bytes_into_a_block_aborts() {
     medium_free_off_the_block_start("a_medium_free_16_bytes_into_a_block_aborts", 16);
+}
+
+/// On `MEDIUM_ALIGN`, in the block's window: the fast path's alignment check passes, so only the
+/// table's exact start (the entry's offset) tells the pointer from the block's start.
+#[test]
+#[cfg_attr(miri, ignore = "spawns a child process")]
+fn a_medium_free_medium_align_bytes_into_a_block_aborts() {
+    medium_free_off_the_block_start(
+        "a_medium_free_medium_align_bytes_into_a_block_aborts",
+        medium::MEDIUM_ALIGN,
+    );
 }
 
 /// A medium block waiting in the thread's cache, freed again with a layout of another class, is
