@@ -3,8 +3,9 @@
 //! A request above the slab layer's 16 KiB and at most [`MEDIUM_MAX`] (64 KiB), aligned to at most
 //! [`MEDIUM_ALIGN`] (128 bytes: SIMD vectors, cache lines, `crossbeam`'s `CachePadded`), is
 //! rounded up to one of [`NUM_MEDIUM`] classes (four per power of two: 20, 24, 28, 32, 40, 48, 56
-//! and 64 KiB) and served by the engine as a block of exactly that size, starting on the [`MEDIUM_GRID`] (32 KiB) grid where the arena has room for the padding
-//! (else at a 128-byte boundary). Such a block is interchangeable with any other of its class, so a
+//! and 64 KiB) and served by the engine as a block of exactly that size, starting on the
+//! [`MEDIUM_GRID`] (32 KiB) grid where the arena has room for the padding (else at a 128-byte
+//! boundary). Such a block is interchangeable with any other of its class, so a
 //! thread's cache keeps a few freed ones per class and hands them out again without the lock, the
 //! engine's best-fit search, its splitting or its coalescing (cachegrind on bench-peers `med`:
 //! about 900 instructions for an allocation and a free through the engine, about 90 through the
@@ -15,7 +16,7 @@
 //! Blocks of the 64 KiB class start on the 64 KiB grid, as every engine block of 64 KiB or more.
 //!
 //! **The grid.** A buffer is often used from its start and left partly untouched (sized for the
-//! largest message, reserved capacity). At 16-byte boundaries the starts of successive blocks
+//! largest message, reserved capacity). Placed wherever they fit, the starts of successive blocks
 //! wander over every page of the heap, and every page that ever held a used start stays resident;
 //! on a 32 KiB grid the starts fall on at most one page in eight, the same pages again and again.
 //! bench-peers `med` (1,000 live blocks of 16..64 KiB, the first byte of each written): peak RSS

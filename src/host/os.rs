@@ -283,11 +283,12 @@ pub(crate) unsafe fn discard(ptr: usize, size: usize) -> bool {
 /// (`mincore`); `false` if the kernel cannot tell. A range of more than [`PROBE_PAGES`] pages is
 /// judged by a sample, [`PROBE_WINDOWS`] runs of pages, one in the middle of each quarter, so the
 /// answer costs the same for 1 MiB as for 1 GiB; a range resident from its start (or up to its
-/// end) is judged mostly resident from about 38% on (half the runs). (Asking about every page, 1,024 per call, took a fifth of
-/// bench-peers `zeros`' time: 54-55 ms of task clock per run against 45 ms with this sample;
-/// sixteen runs of 16 pages took 57-60 ms, the calls costing more than the pages.) The answer
-/// steers a heuristic (the caller zeroes correctly either way), so a pattern that dodges the
-/// sample costs only time or resident pages. Allocates nothing (a 128-byte stack buffer).
+/// end) is judged mostly resident from about 38% on (half the runs). (Asking about every page,
+/// 1,024 per call, took a fifth of bench-peers `zeros`' time: 54-55 ms of task clock per run
+/// against 45 ms with this sample; sixteen runs of 16 pages took 57-60 ms, the calls costing
+/// more than the pages.) The answer steers a heuristic (the caller zeroes correctly either way),
+/// so a pattern that dodges the sample costs only time or resident pages. Allocates nothing (a
+/// 128-byte stack buffer).
 ///
 /// # Safety
 /// The range is page-aligned and inside a mapping made by [`reserve_uncommitted`].
