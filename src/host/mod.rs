@@ -2539,7 +2539,17 @@ impl Heap {
             return;
         };
         let id = self.id;
-        if tcache::with(|tc| tc.owner.get() == id && tc.contains_medium(m, p)) == Some(true) {
+        tcache::with(|tc| {
+            if tc.owner.get() == id {
+                Self::abort_if_cached(tc, m, p);
+            }
+        });
+    }
+
+    /// Aborts if medium block `p` of class `m` is in the cache `tc` (freed before and not handed
+    /// out again: a double free).
+    fn abort_if_cached(tc: &ThreadCache, m: usize, p: usize) {
+        if tc.contains_medium(m, p) {
             os::fatal(format_args!(
                 "double free of pointer {p:#x} (it is already in this thread's cache)"
             ));
@@ -2555,11 +2565,7 @@ impl Heap {
             self.free(p as *mut u8);
             return;
         };
-        if tc.contains_medium(m, p) {
-            os::fatal(format_args!(
-                "double free of pointer {p:#x} (it is already in this thread's cache)"
-            ));
-        }
+        Self::abort_if_cached(tc, m, p);
         if tc.medium_count(m) >= medium::MEDIUM_BIN || !tc.medium_room(m) {
             self.flush_medium(tc, m, tc.medium_count(m).div_ceil(2));
         }

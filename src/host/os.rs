@@ -494,20 +494,12 @@ mod probe_tests {
             (4099, 1025, false),
             (4099, 3075, true),
         ] {
-            let m = Pages::new(pages);
-            (0..touched).for_each(|i| m.touch(i));
-            assert_eq!(
-                m.mostly_resident(),
-                expected,
-                "the first {touched} of {pages} pages"
-            );
-            let m = Pages::new(pages);
-            (pages - touched..pages).for_each(|i| m.touch(i));
-            assert_eq!(
-                m.mostly_resident(),
-                expected,
-                "the last {touched} of {pages} pages"
-            );
+            for (which, range) in [("first", 0..touched), ("last", pages - touched..pages)] {
+                let m = Pages::new(pages);
+                range.for_each(|i| m.touch(i));
+                let got = m.mostly_resident();
+                assert_eq!(got, expected, "the {which} {touched} of {pages} pages");
+            }
         }
     }
 

@@ -2227,13 +2227,7 @@ fn medium_blocks_start_on_the_medium_grid() {
     // (The odd blocks themselves were off the grid: the test placed medium blocks after them.)
     assert!(off_grid > 24, "only {off_grid} odd blocks off the grid");
     assert_eq!(a.check(), Ok(()));
-    for (p, l) in live {
-        // SAFETY: each block came from `a` with its layout and is freed once.
-        unsafe { a.dealloc(p, l) };
-    }
-    a.flush_thread_cache();
-    assert_eq!(a.stats().bytes_in_use, 0);
-    assert_eq!(a.check(), Ok(()));
+    free_all(&a, live);
 }
 
 /// Fills `a`'s arena with engine blocks aligned beyond what medium blocks serve (1 MiB, then
@@ -2253,6 +2247,27 @@ fn fill_engine(a: &GlobalBfc) -> std::vec::Vec<(*mut u8, Layout)> {
         }
     }
     live
+}
+
+/// Frees the highest of `live`'s blocks (taking it out of `live`) and returns its address.
+fn free_highest(a: &GlobalBfc, live: &mut std::vec::Vec<(*mut u8, Layout)>) -> usize {
+    let i = (0..live.len()).max_by_key(|&i| live[i].0 as usize).unwrap();
+    let (x, l) = live.swap_remove(i);
+    // SAFETY: `x` came from `a` with `l` (the caller's promise for `live`) and is freed once.
+    unsafe { a.dealloc(x, l) };
+    x as usize
+}
+
+/// Frees every block of `live` (each from `a`, with its layout), empties this thread's cache, and
+/// asserts that nothing is in use and the heap checks.
+fn free_all(a: &GlobalBfc, live: std::vec::Vec<(*mut u8, Layout)>) {
+    for (p, l) in live {
+        // SAFETY: each block came from `a` with its layout and is freed once.
+        unsafe { a.dealloc(p, l) };
+    }
+    a.flush_thread_cache();
+    assert_eq!(a.stats().bytes_in_use, 0);
+    assert_eq!(a.check(), Ok(()));
 }
 
 /// The medium grid is a preference: a medium request that only an unaligned hole can serve
@@ -2300,13 +2315,7 @@ fn a_medium_request_takes_a_hole_off_the_grid() {
         let q = alloc_ok(&a, other);
         assert_eq!(q as usize, h, "cache {cache}");
         live.push((q, other));
-        for (p, l) in live {
-            // SAFETY: each block came from `a` with its layout and is freed once.
-            unsafe { a.dealloc(p, l) };
-        }
-        a.flush_thread_cache();
-        assert_eq!(a.stats().bytes_in_use, 0);
-        assert_eq!(a.check(), Ok(()));
+        free_all(&a, live);
     }
 }
 
@@ -2319,16 +2328,7 @@ fn a_medium_request_takes_the_end_of_the_arena_off_the_grid() {
         let mut live = fill_engine(&a);
         let end = a.with_heap(|h| h.arena_end).unwrap();
         assert_eq!(end % (64 << 10), 0);
-        let i = live
-            .iter()
-            .enumerate()
-            .max_by_key(|(_, (p, _))| *p as usize)
-            .unwrap()
-            .0;
-        let (x, xl) = live.swap_remove(i);
-        // SAFETY: `x` came from `a` with `xl` and is freed once.
-        unsafe { a.dealloc(x, xl) };
-        let x = x as usize;
+        let x = free_highest(&a, &mut live);
         let h = end - (24 << 10);
         assert!(h > x);
         let la = layout(h - x, BEYOND_MEDIUM);
@@ -2344,13 +2344,7 @@ fn a_medium_request_takes_the_end_of_the_arena_off_the_grid() {
         );
         assert_eq!(a.check(), Ok(()));
         live.push((p, m));
-        for (p, l) in live {
-            // SAFETY: each block came from `a` with its layout and is freed once.
-            unsafe { a.dealloc(p, l) };
-        }
-        a.flush_thread_cache();
-        assert_eq!(a.stats().bytes_in_use, 0);
-        assert_eq!(a.check(), Ok(()));
+        free_all(&a, live);
     }
 }
 
@@ -2385,22 +2379,14 @@ fn a_block_resized_into_a_medium_class_off_its_alignment_is_not_named() {
     let a = small_instance();
     let mut live = fill_engine(&a);
     let end = a.with_heap(|h| h.arena_end).unwrap();
-    let i = live
-        .iter()
-        .enumerate()
-        .max_by_key(|(_, (p, _))| *p as usize)
-        .unwrap()
-        .0;
-    let (x, xl) = live.swap_remove(i);
-    // SAFETY: `x` came from `a` with `xl` and is freed once.
-    unsafe { a.dealloc(x, xl) };
+    let x = free_highest(&a, &mut live);
     // The arena's last 100,016 bytes: no 64 KiB grid point in them has 100,000 behind it.
     let large = layout(100_000, 16);
     let h = end - 100_016;
     assert_ne!(h % medium::MEDIUM_ALIGN, 0);
-    let la = layout(h - x as usize, BEYOND_MEDIUM);
+    let la = layout(h - x, BEYOND_MEDIUM);
     let pa = alloc_ok(&a, la);
-    assert_eq!(pa, x);
+    assert_eq!(pa as usize, x);
     live.push((pa, la));
     let p = alloc_ok(&a, large);
     assert_eq!(p as usize, h, "not placed off the grid");
@@ -2413,13 +2399,7 @@ fn a_block_resized_into_a_medium_class_off_its_alignment_is_not_named() {
     unsafe { a.dealloc(q, layout(40_000, 16)) };
     assert_eq!(a.thread_cache_bytes(), 0);
     assert_eq!(a.usable_size(q), None);
-    for (p, l) in live {
-        // SAFETY: each block came from `a` with its layout and is freed once.
-        unsafe { a.dealloc(p, l) };
-    }
-    a.flush_thread_cache();
-    assert_eq!(a.stats().bytes_in_use, 0);
-    assert_eq!(a.check(), Ok(()));
+    free_all(&a, live);
 }
 
 /// A thread caches at most `MEDIUM_BIN` blocks of a medium class and `MEDIUM_BUDGET` bytes of
