@@ -164,6 +164,31 @@ impl Chunk {
     pub(crate) fn end(&self) -> usize {
         self.ptr + self.size()
     }
+
+    /// A record for the part of this chunk from `offset` bytes on, about to be split off it: not in
+    /// use, clean if this chunk is, and (where this chunk is free) aged if this chunk is. No links.
+    #[inline]
+    pub(crate) fn tail_from(&self, offset: usize) -> Chunk {
+        debug_assert!(offset < self.size() && offset & FLAGS == 0);
+        // Bit 1 of a chunk in use is `CACHED`, which says nothing about its memory.
+        let inherited = if self.in_use() { CLEAN } else { CLEAN | AGED };
+        Chunk {
+            ptr: self.ptr + offset,
+            size_flags: (self.size() - offset) | (self.size_flags & inherited),
+            ..Chunk::EMPTY
+        }
+    }
+
+    /// Grows this chunk by `next`, its address successor, merged into it: the result is clean only
+    /// if both were and, where this chunk is free, aged only if both were. Its other state stays.
+    #[inline]
+    pub(crate) fn absorb(&mut self, next: &Chunk) {
+        // Which of this chunk's bits `next` has to share for them to survive (bit 1 of a chunk in
+        // use is `CACHED`, its own), and which `next` has.
+        let shared = if self.in_use() { CLEAN } else { CLEAN | AGED };
+        let theirs = if next.clean() { CLEAN } else { 0 } | if next.aged() { AGED } else { 0 };
+        self.size_flags = (self.size_flags + next.size()) & !(shared & !theirs);
+    }
 }
 
 /// The chunk table: caller-provided storage plus the recycling state.

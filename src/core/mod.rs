@@ -1311,17 +1311,11 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
 
     /// Splits `h` at `offset` bytes; the new chunk (returned) takes the rest and is not in any bin.
     /// `None` when the chunk table is full (nothing changed then).
-    #[inline]
+    #[inline(always)]
     fn split(&mut self, h: ChunkHandle, offset: usize) -> Option<ChunkHandle> {
         let c = *self.table.get(h);
         debug_assert!(offset > 0 && offset < c.size());
-        let mut rest = Chunk::EMPTY;
-        rest.ptr = c.ptr() + offset;
-        rest.set_size(c.size() - offset);
-        rest.set_clean(c.clean());
-        if !c.in_use() {
-            rest.set_aged(c.aged());
-        }
+        let mut rest = c.tail_from(offset);
         rest.prev = Some(h);
         rest.next = c.next;
         let n = self.table.alloc(rest)?;
@@ -1336,7 +1330,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     }
 
     /// Merges `h` with its successor (which must be out of any bin); `h` keeps its state.
-    #[inline]
+    #[inline(always)]
     fn merge_next(&mut self, h: ChunkHandle) {
         let Some(n) = self.table.get(h).next else {
             return;
@@ -1348,14 +1342,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         }
         let c = self.table.get_mut(h);
         c.next = nc.next;
-        let size = c.size() + nc.size();
-        c.set_size(size);
-        let clean = c.clean() && nc.clean();
-        c.set_clean(clean);
-        if !c.in_use() {
-            let aged = c.aged() && nc.aged();
-            c.set_aged(aged);
-        }
+        c.absorb(&nc);
         self.table.free(n);
     }
 
@@ -1435,8 +1422,8 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
         let Some(ri) = self.region_of(nc.ptr()) else {
             return;
         };
-        let r = self.regions[ri];
-        let slot = self.map_slot(&r, nc.ptr());
+        let r = &self.regions[ri];
+        let slot = self.map_slot(r, nc.ptr());
         let block_of = |addr: usize| (addr - r.base) >> self.block_shift;
         // SAFETY: as in `map_note_start`.
         unsafe {

@@ -686,13 +686,15 @@ impl SmallHeap {
         // `free_of`'s checks with the class known: its size, divisor and capacity are looked up
         // once, and the counters are updated once per run of plain frees.
         let (size, recip, cap, tag) = (CLASS_SIZES[c] as usize, RECIP[c], capacity(c), c as u8 + 1);
+        // (Copies, so that the loop's writes through `span` do not make the compiler reload them.)
+        let (arena, classes) = (self.arena, self.classes);
         let mut freed = 0;
         for (k, &p) in ptrs.iter().enumerate() {
-            let at = p.wrapping_sub(self.arena);
+            let at = p.wrapping_sub(arena);
             let (i, offset) = (at >> SPAN_SHIFT, at & (SPAN - 1));
             let idx = ((offset as u64 * recip) >> 32) as usize;
             let (w, bit) = (idx / 64 % WORDS, 1u64 << (idx % 64));
-            let start = self.classes.get(i).is_some_and(|t| t.load(Relaxed) == tag)
+            let start = classes.get(i).is_some_and(|t| t.load(Relaxed) == tag)
                 && idx < cap
                 && idx * size == offset;
             let Some(span) = self
