@@ -1253,7 +1253,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
 
     /// Hands out (part of) free chunk `h` for a request of `rounded` bytes at `align`, if the block
     /// ends at or below `bound` (else nothing changes).
-    #[inline]
+    #[inline(always)]
     fn take(
         &mut self,
         mut h: ChunkHandle,
@@ -1348,7 +1348,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
 
     /// `h` was just marked free (and is in no bin): merges it with free neighbours and bins the result.
     /// Returns the merged chunk's `(ptr, size)`.
-    #[inline]
+    #[inline(always)]
     fn free_and_coalesce(&mut self, mut h: ChunkHandle) -> (usize, usize) {
         let c = *self.table.get(h);
         if let Some(n) = c.next {
@@ -1437,7 +1437,7 @@ impl<S: MemorySource, T: ChunkStorage> Bfc<S, T> {
     }
 
     /// Finds the chunk that starts at `ptr` and is in use.
-    #[inline]
+    #[inline(always)]
     fn lookup_in_use(&self, ptr: usize) -> Result<ChunkHandle, FreeError> {
         let ri = self.region_of(ptr).ok_or(FreeError::NotOwned { ptr })?;
         let r = &self.regions[ri];

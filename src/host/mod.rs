@@ -1248,7 +1248,7 @@ impl Heap {
     /// An engine block of `size` bytes at `align`, on the grid `grid` where the arena has room for
     /// the padding, noted as handed out; `None` (noted as a failure of `request`, the caller's size
     /// and alignment) when none is found.
-    #[inline]
+    #[inline(always)]
     fn allocate_engine(
         &mut self,
         size: usize,
@@ -1317,7 +1317,7 @@ impl Heap {
     /// An engine block for a large or medium request: on the preferred grid `grid`, else (no hole
     /// has room for the padding it needs, nor the arena near its limit) at the requested alignment
     /// `align`.
-    #[inline]
+    #[inline(always)]
     fn large_block(&mut self, size: usize, grid: usize, align: usize) -> Option<Allocated> {
         let found = self.engine_block(size, grid);
         if found.is_none() && grid != align {
@@ -1330,7 +1330,7 @@ impl Heap {
     /// the engine's pick lies past the committed end, commits up to the end of that pick and asks
     /// again (still bounded: a block is never handed out past the committed memory). `None` when
     /// out of memory or the kernel refuses the commit.
-    #[inline]
+    #[inline(always)]
     fn engine_block(&mut self, size: usize, grid: usize) -> Option<Allocated> {
         if !self.prepare_records() {
             self.cause = FailureCause::CommitRefused;
