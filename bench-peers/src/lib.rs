@@ -14,6 +14,8 @@
 //!   a lock holder is often descheduled). The threads start their loops together and free their
 //!   live sets only after every loop has ended.
 //! - `achurn2`: `churn2` with every block aligned to 64 bytes (cache-line padded values).
+//! - `large2`: the churn of 16 live blocks of 64 KiB..=1 MiB in each of 2 threads (above the
+//!   thread caches of bfc-alloc: every step takes its heap lock), 100,000 steps per thread.
 //! - `xfree`: one thread allocates (8..=512 bytes) and sends batches of 256 to one that frees them;
 //!   wall time per object.
 //! - `mid`: the churn with sizes log-uniform in 2..=16 KiB (10,000 live blocks, 1,000,000 steps).
@@ -41,6 +43,7 @@ pub const WORKLOADS: &[(&str, &str)] = &[
     ("churn4", "ns/step/thread"),
     ("churn16", "ns/step/thread"),
     ("achurn2", "ns/step/thread"),
+    ("large2", "ns/step/thread"),
     ("xfree", "ns/object"),
     ("json", "ms/round (11.5 MB parse + serialize)"),
     ("bufw", "ns/step"),
@@ -209,12 +212,22 @@ fn vec_growth(rounds: usize, len: usize) -> f64 {
 /// The churn in `threads` threads at once, each with its own live set, blocks aligned to `align`:
 /// the wall time from the first measured loop's start to the last one's end, per step of one thread.
 fn threaded_churn(threads: usize, steps: usize, align: usize) -> f64 {
+    threaded_churn_of(threads, steps, align, (10_000, 8, 4096))
+}
+
+/// [`threaded_churn`] with `(live, lo, hi)` per thread.
+fn threaded_churn_of(
+    threads: usize,
+    steps: usize,
+    align: usize,
+    (live, lo, hi): (usize, usize, usize),
+) -> f64 {
     let start = Arc::new(Barrier::new(threads));
     let hs: Vec<_> = (0..threads)
         .map(|t| {
             let start = start.clone();
             std::thread::spawn(move || {
-                churn_span::<false>(7 + t as u64, 10_000, 8, 4096, steps, align, Some(&start))
+                churn_span::<false>(7 + t as u64, live, lo, hi, steps, align, Some(&start))
             })
         })
         .collect();
@@ -331,6 +344,8 @@ pub fn main() {
         "churn4" => threaded_churn(4, 750_000, 8),
         "churn16" => threaded_churn(16, 200_000, 8),
         "achurn2" => threaded_churn(2, 2_000_000, 64),
+        // Engine blocks in 2 threads: 16 live blocks of 64 KiB..1 MiB each.
+        "large2" => threaded_churn_of(2, 100_000, 8, (16, 64 << 10, 1 << 20)),
         "xfree" => cross_thread_free(2_000_000),
         "json" => json(2),
         // A few I/O buffers of 16 KiB..1 MiB (8 live), every page written.
