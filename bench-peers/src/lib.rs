@@ -14,8 +14,9 @@
 //!   a lock holder is often descheduled). The threads start their loops together and free their
 //!   live sets only after every loop has ended.
 //! - `achurn2`: `churn2` with every block aligned to 64 bytes (cache-line padded values).
-//! - `large2`: the churn of 16 live blocks of 64 KiB..=1 MiB in each of 2 threads (above the
-//!   thread caches of bfc-alloc: every step takes its heap lock), 100,000 steps per thread.
+//! - `large2`: the churn of 16 live blocks of 64 KiB..=1 MiB in each of 2 threads, 100,000 steps
+//!   per thread. In bfc-alloc every block above 64 KiB (all but a few) is above the thread caches,
+//!   so nearly every step takes its heap lock.
 //! - `xfree`: one thread allocates (8..=512 bytes) and sends batches of 256 to one that frees them;
 //!   wall time per object.
 //! - `mid`: the churn with sizes log-uniform in 2..=16 KiB (10,000 live blocks, 1,000,000 steps).

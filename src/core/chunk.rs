@@ -66,7 +66,8 @@ const FLAGS: usize = 0b111;
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Chunk {
     pub(crate) ptr: usize,
-    /// Size in bytes (a multiple of the granule) or-ed with [`IN_USE`].
+    /// Size in bytes (a multiple of the granule, so its low three bits are zero) or-ed with the
+    /// flag bits: [`IN_USE`], [`CACHED`] or [`AGED`] (bit 1), [`CLEAN`].
     size_flags: usize,
     pub(crate) prev: Option<ChunkHandle>,
     pub(crate) next: Option<ChunkHandle>,
@@ -183,6 +184,7 @@ impl Chunk {
     /// if both were and, where this chunk is free, aged only if both were. Its other state stays.
     #[inline]
     pub(crate) fn absorb(&mut self, next: &Chunk) {
+        debug_assert_eq!(self.end(), next.ptr);
         // Which of this chunk's bits `next` has to share for them to survive (bit 1 of a chunk in
         // use is `CACHED`, its own), and which `next` has.
         let shared = if self.in_use() { CLEAN } else { CLEAN | AGED };

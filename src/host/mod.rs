@@ -1258,21 +1258,7 @@ impl Heap {
     ) -> Option<Allocated> {
         let mut found = self.large_block(size, grid, align);
         if found.is_none() {
-            // A request that no aligned address of the arena has room for (larger than the arena,
-            // or aligned beyond what the engine serves or what the arena's place allows) never
-            // fits: no reclaim for it.
-            let never = align > crate::core::MAX_ALIGN
-                || self
-                    .small
-                    .arena()
-                    .checked_next_multiple_of(align)
-                    .and_then(|start| start.checked_add(size))
-                    .is_none_or(|end| end > self.arena_end);
-            if never {
-                self.cause = FailureCause::NeverFits;
-            } else if self.reclaim() {
-                found = self.large_block(size, grid, align);
-            }
+            found = self.large_block_after_reclaim(size, grid, align);
         }
         match found {
             Some(b) => {
@@ -1285,6 +1271,37 @@ impl Heap {
                 self.failed(request.0, request.1);
                 None
             }
+        }
+    }
+
+    /// [`Heap::large_block`] again after [`Heap::reclaim`] has given memory back, for a request
+    /// the first try found no room for. Out of line, as the rare path it is (the hot one inlines
+    /// `large_block`).
+    #[cold]
+    #[inline(never)]
+    fn large_block_after_reclaim(
+        &mut self,
+        size: usize,
+        grid: usize,
+        align: usize,
+    ) -> Option<Allocated> {
+        // A request that no aligned address of the arena has room for (larger than the arena, or
+        // aligned beyond what the engine serves or what the arena's place allows) never fits: no
+        // reclaim for it.
+        let never = align > crate::core::MAX_ALIGN
+            || self
+                .small
+                .arena()
+                .checked_next_multiple_of(align)
+                .and_then(|start| start.checked_add(size))
+                .is_none_or(|end| end > self.arena_end);
+        if never {
+            self.cause = FailureCause::NeverFits;
+            None
+        } else if self.reclaim() {
+            self.large_block(size, grid, align)
+        } else {
+            None
         }
     }
 
