@@ -166,16 +166,25 @@ impl Chunk {
         self.ptr + self.size()
     }
 
+    /// Which of the flag bits describe the chunk's memory (the sweep state) rather than its use:
+    /// [`CLEAN`], and for a free chunk [`AGED`] (bit 1 of a chunk in use is [`CACHED`]).
+    #[inline]
+    fn memory_bits(&self) -> usize {
+        if self.in_use() {
+            CLEAN
+        } else {
+            CLEAN | AGED
+        }
+    }
+
     /// A record for the part of this chunk from `offset` bytes on, about to be split off it: not in
     /// use, clean if this chunk is, and (where this chunk is free) aged if this chunk is. No links.
     #[inline]
     pub(crate) fn tail_from(&self, offset: usize) -> Chunk {
         debug_assert!(offset < self.size() && offset & FLAGS == 0);
-        // Bit 1 of a chunk in use is `CACHED`, which says nothing about its memory.
-        let inherited = if self.in_use() { CLEAN } else { CLEAN | AGED };
         Chunk {
             ptr: self.ptr + offset,
-            size_flags: (self.size() - offset) | (self.size_flags & inherited),
+            size_flags: (self.size() - offset) | (self.size_flags & self.memory_bits()),
             ..Chunk::EMPTY
         }
     }
@@ -185,11 +194,9 @@ impl Chunk {
     #[inline]
     pub(crate) fn absorb(&mut self, next: &Chunk) {
         debug_assert_eq!(self.end(), next.ptr);
-        // Which of this chunk's bits `next` has to share for them to survive (bit 1 of a chunk in
-        // use is `CACHED`, its own), and which `next` has.
-        let shared = if self.in_use() { CLEAN } else { CLEAN | AGED };
-        let theirs = if next.clean() { CLEAN } else { 0 } | if next.aged() { AGED } else { 0 };
-        self.size_flags = (self.size_flags + next.size()) & !(shared & !theirs);
+        // This chunk's memory bits survive where `next` has them too.
+        let theirs = next.size_flags & next.memory_bits();
+        self.size_flags = (self.size_flags + next.size()) & !(self.memory_bits() & !theirs);
     }
 }
 

@@ -2364,11 +2364,7 @@ fn aligned_medium_requests_are_cached() {
     let allocs = a.stats().num_allocs;
     assert_eq!(alloc_ok(&a, l128), p);
     assert_eq!(a.stats().num_allocs, allocs, "not from the cache");
-    // SAFETY: `p` came from `a` with `l128` and is freed once.
-    unsafe { a.dealloc(p, l128) };
-    a.flush_thread_cache();
-    assert_eq!(a.stats().bytes_in_use, 0);
-    assert_eq!(a.check(), Ok(()));
+    free_all(&a, std::vec![(p, l128)]);
 }
 
 /// A block that a resize in place leaves at a medium class's size but off `MEDIUM_ALIGN` (a large
