@@ -207,14 +207,23 @@ impl<T> SpinLock<T> {
     /// Acquires the lock, spinning (then yielding) while another thread holds it.
     #[inline]
     pub fn lock(&self) -> SpinGuard<'_, T> {
-        if self
+        self.lock_reporting().0
+    }
+
+    /// As [`lock`](Self::lock), and whether the first attempt failed: another thread held the
+    /// lock. (A strong compare-and-swap, so a spurious failure on machines with load-linked /
+    /// store-conditional pairs is never reported as contention; on x86-64 the two are the same
+    /// instruction.)
+    #[inline]
+    pub fn lock_reporting(&self) -> (SpinGuard<'_, T>, bool) {
+        let contended = self
             .locked
-            .compare_exchange_weak(false, true, acquire(), Ordering::Relaxed)
-            .is_err()
-        {
+            .compare_exchange(false, true, acquire(), Ordering::Relaxed)
+            .is_err();
+        if contended {
             self.lock_contended();
         }
-        self.held()
+        (self.held(), contended)
     }
 
     /// The guard of a lock just taken, with the owner recorded for the re-entry check.
@@ -292,6 +301,12 @@ impl<T> SpinLock<T> {
         // SAFETY: loom runs the model's threads one at a time, so no access overlaps this one in
         // fact; an unsynchronised one is reported (panic) before `f` runs.
         self.value.with(|p| f(unsafe { &*p }))
+    }
+
+    /// Unit tests: how many times a waiter ran the re-entry check (a waiter spun this long).
+    #[cfg(all(test, feature = "std", not(loom)))]
+    pub(crate) fn reentry_checks(&self) -> usize {
+        self.reentry_checks.load(Ordering::Relaxed)
     }
 
     /// Acquires the lock if it is free.

@@ -15,8 +15,9 @@
 //!   live sets only after every loop has ended.
 //! - `achurn2`: `churn2` with every block aligned to 64 bytes (cache-line padded values).
 //! - `large2`: the churn of 16 live blocks of 64 KiB..=1 MiB in each of 2 threads, 100,000 steps
-//!   per thread. In bfc-alloc every block above 64 KiB (all but a few) is above the thread caches,
-//!   so nearly every step takes its heap lock.
+//!   per thread. In bfc-alloc every block above 64 KiB (all but a few) is above the medium classes:
+//!   it takes the heap lock unless the thread met contention there and caches such blocks.
+//! - `large2w`: `large2` with a byte written in every 4 KiB page, 20,000 steps per thread.
 //! - `xfree`: one thread allocates (8..=512 bytes) and sends batches of 256 to one that frees them;
 //!   wall time per object.
 //! - `mid`: the churn with sizes log-uniform in 2..=16 KiB (10,000 live blocks, 1,000,000 steps).
@@ -26,7 +27,8 @@
 //! - `zero`, `zerol`: `vec![0u8; n]`, 8 live, a byte written per page, n in 4 KiB..=1 MiB and
 //!   1..=16 MiB; `zeros`: `zerol` with a byte written per 64 pages (a sparse table).
 //!
-//! Every block gets its first byte written; the PRNG is a fixed-seed splitmix64.
+//! Every block gets its first byte written (and, where said, one in every page); the PRNG is a
+//! fixed-seed splitmix64.
 
 use std::alloc::{alloc, dealloc, Layout};
 use std::hint::black_box;
@@ -45,6 +47,7 @@ pub const WORKLOADS: &[(&str, &str)] = &[
     ("churn16", "ns/step/thread"),
     ("achurn2", "ns/step/thread"),
     ("large2", "ns/step/thread"),
+    ("large2w", "ns/step/thread"),
     ("xfree", "ns/object"),
     ("json", "ms/round (11.5 MB parse + serialize)"),
     ("bufw", "ns/step"),
@@ -213,11 +216,12 @@ fn vec_growth(rounds: usize, len: usize) -> f64 {
 /// The churn in `threads` threads at once, each with its own live set, blocks aligned to `align`:
 /// the wall time from the first measured loop's start to the last one's end, per step of one thread.
 fn threaded_churn(threads: usize, steps: usize, align: usize) -> f64 {
-    threaded_churn_of(threads, steps, align, (10_000, 8, 4096))
+    threaded_churn_of::<false>(threads, steps, align, (10_000, 8, 4096))
 }
 
-/// [`threaded_churn`] with `(live, lo, hi)` per thread.
-fn threaded_churn_of(
+/// [`threaded_churn`] with `(live, lo, hi)` per thread, and every page of each block written if
+/// `EVERY_PAGE`.
+fn threaded_churn_of<const EVERY_PAGE: bool>(
     threads: usize,
     steps: usize,
     align: usize,
@@ -228,7 +232,7 @@ fn threaded_churn_of(
         .map(|t| {
             let start = start.clone();
             std::thread::spawn(move || {
-                churn_span::<false>(7 + t as u64, live, lo, hi, steps, align, Some(&start))
+                churn_span::<EVERY_PAGE>(7 + t as u64, live, lo, hi, steps, align, Some(&start))
             })
         })
         .collect();
@@ -346,7 +350,9 @@ pub fn main() {
         "churn16" => threaded_churn(16, 200_000, 8),
         "achurn2" => threaded_churn(2, 2_000_000, 64),
         // Engine blocks in 2 threads: 16 live blocks of 64 KiB..1 MiB each.
-        "large2" => threaded_churn_of(2, 100_000, 8, (16, 64 << 10, 1 << 20)),
+        "large2" => threaded_churn_of::<false>(2, 100_000, 8, (16, 64 << 10, 1 << 20)),
+        // The same with every page of each block written.
+        "large2w" => threaded_churn_of::<true>(2, 20_000, 8, (16, 64 << 10, 1 << 20)),
         "xfree" => cross_thread_free(2_000_000),
         "json" => json(2),
         // A few I/O buffers of 16 KiB..1 MiB (8 live), every page written.

@@ -1,8 +1,9 @@
-//! Medium blocks (`std` builds): engine blocks of 16..64 KiB that thread caches keep for reuse.
+//! Medium blocks (`std` builds): engine blocks of 16..64 KiB that thread caches keep for reuse,
+//! and upper-class blocks (64 KiB..1 MiB) that they keep in threads that meet contention.
 //!
 //! A request above the slab layer's 16 KiB and at most [`MEDIUM_MAX`] (64 KiB), aligned to at most
 //! [`MEDIUM_ALIGN`] (128 bytes: SIMD vectors, cache lines, `crossbeam`'s `CachePadded`), is
-//! rounded up to one of [`NUM_MEDIUM`] classes (four per power of two: 20, 24, 28, 32, 40, 48, 56
+//! rounded up to one of [`NUM_LOWER`] classes (four per power of two: 20, 24, 28, 32, 40, 48, 56
 //! and 64 KiB) and served by the engine as a block of exactly that size, starting on the
 //! [`MEDIUM_GRID`] (32 KiB) grid where the arena has room for the padding (else at a 128-byte
 //! boundary). Such a block is interchangeable with any other of its class, so a
@@ -27,6 +28,31 @@
 //! MiB. A 16 KiB grid gave 15.1 MiB (56 MiB committed), a 64 KiB one 7.1 MiB (70 MiB committed).
 //! The engine still coalesces every block the caches give back, and a cache holds at most
 //! [`MEDIUM_BIN`] (8) blocks per class and [`MEDIUM_BUDGET`] (768 KiB) of them in all.
+//!
+//! **Upper classes.** Engine blocks above 64 KiB take the heap lock on every allocation and free
+//! (about 1,300 instructions under it), so threads that use them at once wait for each other:
+//! with two threads each churning 16 live blocks of 64 KiB..1 MiB (bench-peers `large2`) a step
+//! took 2.3-2.8 times as long as with one thread. A thread whose request above 64 KiB and up to
+//! [`UPPER_MAX`] (1 MiB, alignment at most [`MEDIUM_ALIGN`]) finds the lock held (its first
+//! attempt to take it fails) caches such blocks as it does medium ones, in sixteen more classes
+//! (80 KiB to 1 MiB, four per power of two): a miss takes a block of the class size from the
+//! engine (on the 64 KiB grid, noted in the table), a free joins its class's stack while the
+//! thread's [`UPPER_BUDGET`] (8 MiB of upper-class blocks, [`MEDIUM_BIN`] per class) has room,
+//! and a request takes a cached block of its class or of the next two up (at most 1.75 times its
+//! size, a request of 64 KiB + 1 byte served by a 112 KiB block; the pages past what the caller
+//! writes stay untouched unless an earlier owner wrote them). After `CONTENDED_HEAT` (1,024) such lock operations in a row that found the lock free
+//! the thread stops: its requests take blocks of their own size again and its frees go to the
+//! engine, and what it still caches serves its requests, decays or goes back at exit. A thread
+//! that never meets contention (every single-threaded program) never rounds or caches these
+//! blocks; `alloc_zeroed` never takes them from a cache. Blocks in other threads' caches are out
+//! of reach of an allocation that runs out of room (as small and medium ones are), and there can
+//! be up to 8 MiB of them per such thread. bench-peers, 2 threads, interleaved
+//! (ns per step and thread, peak RSS): `large2` (first byte written) 307-450 -> 80-94 ns
+//! (mimalloc with THP off 159-280), 4.2 -> 5.0 MiB; `large2w` (every page written) 1,200-3,400
+//! -> 960-1,340 ns (mimalloc 1,300-1,580), 25 -> 41 MiB (glibc 24, jemalloc 34, mimalloc 56). A
+//! budget of 4 MiB gave 120-260 ns on `large2` and 31-37 MiB on `large2w`; leaving the thread
+//! after 64 uncontended operations instead of 1,024 made `large2` bimodal (70 or 310 ns: with
+//! fewer misses the lock is contended less, and the caching switched itself off).
 //!
 //! **The table.** A freed block may join a cache only if it is what its layout says, or larger: a
 //! live medium block of the layout's class or a larger one (it then joins its own class's stack). Its layout alone cannot say so (a block resized in
@@ -72,13 +98,30 @@ pub(crate) const MEDIUM_BIN: usize = 8;
 /// 48-51 ns, `zero` 11.97 MiB; 8 and 640 KiB: 58.5 ns.)
 pub(crate) const MEDIUM_BUDGET: usize = 768 << 10;
 
-/// The class sizes, in KiB.
-const CLASS_KIB: [usize; 8] = [20, 24, 28, 32, 40, 48, 56, 64];
-pub(crate) const NUM_MEDIUM: usize = CLASS_KIB.len();
+/// Largest request of the upper classes, cached only by threads that meet contention on the heap
+/// lock (see the module docs).
+pub(crate) const UPPER_MAX: usize = 1 << 20;
+/// Most bytes of upper-class blocks one thread's cache holds.
+pub(crate) const UPPER_BUDGET: usize = 8 << 20;
 
-/// `CLASS_OF[(size - 1) >> 12]` is the class of a medium request of `size` bytes.
-const CLASS_OF: [u8; MEDIUM_MAX >> 12] = {
-    let mut t = [0u8; MEDIUM_MAX >> 12];
+/// The class sizes, in KiB: the medium classes up to [`MEDIUM_MAX`], then the upper ones up to
+/// [`UPPER_MAX`].
+const CLASS_KIB: [usize; 24] = [
+    20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640,
+    768, 896, 1024,
+];
+/// Classes in all (medium and upper).
+pub(crate) const NUM_MEDIUM: usize = CLASS_KIB.len();
+/// The medium classes (at most [`MEDIUM_MAX`]); the rest are upper classes.
+pub(crate) const NUM_LOWER: usize = 8;
+static_assertions::const_assert!(CLASS_KIB[NUM_LOWER - 1] << 10 == MEDIUM_MAX);
+static_assertions::const_assert!(CLASS_KIB[NUM_MEDIUM - 1] << 10 == UPPER_MAX);
+// An entry holds the class plus one in its top five bits.
+static_assertions::const_assert!(NUM_MEDIUM < 32);
+
+/// `CLASS_OF[(size - 1) >> 12]` is the class of a medium or upper request of `size` bytes.
+const CLASS_OF: [u8; UPPER_MAX >> 12] = {
+    let mut t = [0u8; UPPER_MAX >> 12];
     let mut i = SMALL_MAX >> 12;
     while i < t.len() {
         // The largest size with this index is `(i + 1) << 12`: the first class that holds it.
@@ -102,6 +145,16 @@ pub(crate) const fn class_size(m: usize) -> usize {
 #[inline(always)]
 pub(crate) fn class_for(size: usize, align: usize) -> Option<usize> {
     if size <= SMALL_MAX || size > MEDIUM_MAX || align > MEDIUM_ALIGN {
+        return None;
+    }
+    Some(CLASS_OF[(size - 1) >> 12] as usize)
+}
+
+/// The upper class of a request above [`MEDIUM_MAX`] and at most [`UPPER_MAX`], aligned to at
+/// most [`MEDIUM_ALIGN`]; `None` for any other.
+#[inline(always)]
+pub(crate) fn upper_class_for(size: usize, align: usize) -> Option<usize> {
+    if size <= MEDIUM_MAX || size > UPPER_MAX || align > MEDIUM_ALIGN {
         return None;
     }
     Some(CLASS_OF[(size - 1) >> 12] as usize)
@@ -228,8 +281,29 @@ mod tests {
             assert!(m == 0 || class_size(m - 1) < size, "{size}");
             assert_eq!(class_for(size, 1), Some(m));
         }
-        for m in 0..NUM_MEDIUM {
+        for m in 0..NUM_LOWER {
             assert_eq!(class_for(class_size(m), 8), Some(m));
+        }
+        // The upper classes: above the medium ones, up to `UPPER_MAX`.
+        assert_eq!(upper_class_for(MEDIUM_MAX, 1), None);
+        assert_eq!(upper_class_for(UPPER_MAX + 1, 1), None);
+        assert_eq!(
+            upper_class_for(MEDIUM_MAX + 1, MEDIUM_ALIGN),
+            Some(NUM_LOWER)
+        );
+        assert_eq!(upper_class_for(MEDIUM_MAX + 1, 2 * MEDIUM_ALIGN), None);
+        for size in (MEDIUM_MAX + 1..=UPPER_MAX).step_by(61) {
+            let m = upper_class_for(size, 16).unwrap();
+            assert!(class_size(m) >= size, "{size}");
+            assert!(class_size(m - 1) < size, "{size}");
+            assert_eq!(class_for(size, 16), None);
+        }
+        for m in NUM_LOWER..NUM_MEDIUM {
+            assert_eq!(upper_class_for(class_size(m), 8), Some(m));
+            assert_eq!(
+                upper_class_for(class_size(m) + 1, 8),
+                (m + 1 < NUM_MEDIUM).then_some(m + 1)
+            );
         }
     }
 

@@ -39,7 +39,10 @@
 //! new large block are likely already touched. With `std`, requests above 16 KiB and up to 64 KiB
 //! (alignment at most 128 bytes) are *medium*: rounded up to one of eight classes (20 to 64 KiB,
 //! four per power of two) so that thread caches can keep freed ones for reuse, and start on a
-//! 32 KiB grid, for the same reason as large blocks (see `medium.rs`).
+//! 32 KiB grid, for the same reason as large blocks (see `medium.rs`). In a thread whose requests
+//! above 64 KiB find the heap lock held, those up to 1 MiB (the *upper* classes, 80 KiB to 1 MiB)
+//! are rounded and cached the same way, so threads that use such blocks at once stop waiting for
+//! each other.
 //!
 //! # Thread caches (`std`)
 //!
@@ -47,10 +50,11 @@
 //! small allocations and frees take no lock (see `tcache.rs` for the protocol), and stacks of freed
 //! medium blocks, so a medium block freed and taken again by its thread skips the lock and the
 //! engine:
-//! - at most [`MAX_CACHED_BYTES`] (1,967 KiB) per thread: 1,199 KiB of small blocks, where a refill
-//!   or an overflow moves half a stack, and 8 blocks of each medium class, 768 KiB of them in all,
-//!   where a miss takes one block from the engine and an overflow gives half the class's stack back
-//!   to it;
+//! - at most [`MAX_CACHED_BYTES`] (10,159 KiB) per thread: 1,199 KiB of small blocks, where a
+//!   refill or an overflow moves half a stack, and 8 blocks of each medium class, 768 KiB of them in
+//!   all, where a miss takes one block from the engine and an overflow gives half the class's stack
+//!   back to it; and, only in a thread whose requests above 64 KiB meet contention on the heap lock,
+//!   8 blocks of each upper class (80 KiB to 1 MiB), 8 MiB of them in all (see `medium.rs`);
 //! - a block freed on another thread joins that thread's cache; a full cache gives half a stack to
 //!   a per-class transfer cache in the heap, from which the refills of that class take their batches
 //!   before the slab layer (at most two stacks per class, about 2.3 MiB in all);
@@ -304,6 +308,10 @@ struct Heap {
     /// Which medium blocks thread caches may take (see `medium.rs`).
     #[cfg(feature = "std")]
     medium: medium::Table,
+    /// Whether the lock's current holder found it held by another thread when it asked for it
+    /// (upper-class requests read it: see `medium.rs`).
+    #[cfg(feature = "std")]
+    contended: bool,
     /// End of the arena.
     arena_end: usize,
     /// Every byte ever handed out lies below this address (the arena above it was never touched, or
@@ -484,16 +492,20 @@ struct Anchor {
 impl Anchor {
     /// Runs `f` on the heap under its lock. Every use goes through here, so the first one after a
     /// `fork` repairs the cache registry (see `Heap::after_fork`).
-    #[inline]
+    #[inline(always)]
     fn with<R>(&self, f: impl FnOnce(&mut Heap) -> R) -> R {
-        self.heap.lock().with(|h| {
+        let (mut guard, _contended) = self.heap.lock_reporting();
+        guard.with(|h| {
             // Dropped (and so aborting) while the lock is still held: nobody sees the heap a
             // panic left half-updated. Not in loom builds: loom reports a failed model (a
             // deadlock, say) by panicking wherever the thread is, and the model's test expects it.
             #[cfg(not(loom))]
             let unwinding = AbortOnUnwind;
             #[cfg(feature = "std")]
-            h.after_fork();
+            {
+                h.after_fork();
+                h.contended = _contended;
+            }
             let r = f(h);
             #[cfg(not(loom))]
             core::mem::forget(unwinding);
@@ -700,7 +712,8 @@ impl GlobalBfc {
     /// Usable size of the block at `ptr`, or `None` if `ptr` is not the start of a block the
     /// allocator holds for a caller or in a cache.
     ///
-    /// A diagnostic: a small or medium block freed into a thread cache or the transfer cache still
+    /// A diagnostic: a small, medium or upper-class block freed into a thread cache or the transfer
+    /// cache still
     /// counts (it reads as its class size) until the cache gives it back to its span or the engine;
     /// another freed block, and a small block whose span has it free, give `None`.
     pub fn usable_size(&self, ptr: *const u8) -> Option<usize> {
@@ -708,7 +721,7 @@ impl GlobalBfc {
     }
 
     /// Runs `f` on the heap, initialising it on first use; `None` if the arena is unavailable.
-    #[inline]
+    #[inline(always)]
     fn with_heap<R>(&self, f: impl FnOnce(&mut Heap) -> R) -> Option<R> {
         let mut a = self.anchor.load(crate::sync::Ordering::Acquire);
         if a.is_null() {
@@ -1078,6 +1091,7 @@ impl Heap {
                     addr_of_mut!((*heap).fork_gen).write(fork_generation());
                     addr_of_mut!((*heap).transfer).write(tcache::Transfer::new(transfer));
                     addr_of_mut!((*heap).medium).write(medium::Table::new(arena, medium_table));
+                    addr_of_mut!((*heap).contended).write(false);
                 }
                 addr_of_mut!((*heap).arena_end).write(arena + arena_size);
                 addr_of_mut!((*heap).brk).write(arena);
@@ -1109,6 +1123,8 @@ impl Heap {
                         transfer: _,
                     #[cfg(feature = "std")]
                         medium: _,
+                    #[cfg(feature = "std")]
+                        contended: _,
                     arena_end: _,
                     brk: _,
                     page: _,
@@ -1863,6 +1879,14 @@ impl Heap {
     }
 }
 
+/// Aborts for a free before the heap was ever initialised.
+#[cold]
+fn never_initialised(ptr: *mut u8) -> ! {
+    os::fatal(format_args!(
+        "free of pointer {ptr:p} but the heap was never initialised"
+    ))
+}
+
 /// Aborts for a bad pointer found by the slab layer, with the engine's wording.
 #[cold]
 fn small_error(ptr: usize, e: SmallFree, context: &str) -> ! {
@@ -1949,6 +1973,9 @@ unsafe impl GlobalAlloc for GlobalBfc {
                 None => self.alloc_medium_slow(m, layout.size(), layout.align()),
             };
         }
+        #[cfg(feature = "std")]
+        return self.alloc_beyond_medium(layout.size(), layout.align());
+        #[cfg(not(feature = "std"))]
         self.alloc_locked(layout.size(), layout.align())
     }
 
@@ -2041,8 +2068,13 @@ unsafe impl GlobalAlloc for GlobalBfc {
             }
             return;
         }
-        let _ = layout;
-        self.free_locked(ptr);
+        #[cfg(feature = "std")]
+        return self.free_beyond_medium(ptr, layout.size(), layout.align());
+        #[cfg(not(feature = "std"))]
+        {
+            let _ = layout;
+            self.free_locked(ptr);
+        }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -2136,9 +2168,7 @@ impl GlobalBfc {
     #[inline(never)]
     fn free_locked(&self, ptr: *mut u8) {
         if self.with_heap(|h| h.free(ptr)).is_none() {
-            os::fatal(format_args!(
-                "free of pointer {ptr:p} but the heap was never initialised"
-            ));
+            never_initialised(ptr);
         }
     }
 
@@ -2191,6 +2221,113 @@ impl GlobalBfc {
     #[inline(never)]
     fn free_medium_slow(&self, ptr: *mut u8, m: usize) {
         self.free_with_cache(ptr, |h, tc| h.free_medium_to_cache(tc, m, ptr as usize));
+    }
+
+    /// An allocation neither small nor medium: an upper-class one (see `medium.rs`) from the
+    /// thread's cache if it holds one (or a class-size block under the lock if the thread caches
+    /// them now), else a block of `size` bytes under the lock; if an upper-class request found the
+    /// lock contended, the thread caches upper-class blocks from now on.
+    // Out of line, so the small and medium fast paths it sits beside stay lean.
+    #[cfg(feature = "std")]
+    #[inline(never)]
+    fn alloc_beyond_medium(&self, size: usize, align: usize) -> *mut u8 {
+        let upper = medium::upper_class_for(size, align);
+        if let Some(m) = upper {
+            // A thread that stopped caching them takes what is cached all the same.
+            match self.bound_cache(|tc| tc.pop_upper_for(m)) {
+                Some(Ok(p)) => return p as *mut u8,
+                Some(Err(true)) => return self.alloc_upper_slow(m, size, align),
+                _ => {}
+            }
+        }
+        let Some((p, contended)) = self.with_heap(|h| (h.allocate(size, align), h.contended))
+        else {
+            return ptr::null_mut();
+        };
+        if contended && upper.is_some() {
+            self.upper_contended();
+        }
+        p
+    }
+
+    /// A free neither small nor medium: an upper-class one into the thread's cache if it caches
+    /// them now and has room, else under the lock (as for [`GlobalBfc::alloc_beyond_medium`], an
+    /// upper-class free that found the lock contended starts the caching).
+    // Out of line, so the small and medium fast paths it sits beside stay lean.
+    #[cfg(feature = "std")]
+    #[inline(never)]
+    fn free_beyond_medium(&self, ptr: *mut u8, size: usize, align: usize) {
+        let upper = medium::upper_class_for(size, align);
+        if let Some(m) = upper {
+            match self.bound_cache(|tc| tc.caches_upper().then(|| tc.push_upper(m, ptr as usize))) {
+                Some(Some(true)) => return,
+                Some(Some(false)) => return self.free_upper_slow(ptr, m),
+                _ => {}
+            }
+        }
+        match self.with_heap(|h| {
+            h.free(ptr);
+            h.contended
+        }) {
+            Some(contended) => {
+                if contended && upper.is_some() {
+                    self.upper_contended();
+                }
+            }
+            None => never_initialised(ptr),
+        }
+    }
+
+    /// An upper-class request that does not cache found the lock contended: the calling thread
+    /// caches upper-class blocks from now on, if its cache serves this allocator (bound first if
+    /// it is free to bind: a thread that makes only upper-class requests has not bound it yet).
+    /// The lock is not held here (binding takes it).
+    #[cfg(feature = "std")]
+    #[cold]
+    #[inline(never)]
+    fn upper_contended(&self) {
+        let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
+        tcache::with(|tc| {
+            if tc.owner.get() == id || self.with_bound_cache(tc, |_| ()).is_some() {
+                tc.note_lock(true);
+            }
+        });
+    }
+
+    /// An upper-class allocation by a thread that caches upper-class blocks now, with none cached
+    /// for it: under the lock, a block of the class size (see `medium.rs`), or of `size` bytes if
+    /// the lock was not contended this time and that ends the caching. Counts the miss for the
+    /// cache's decay.
+    #[cfg(feature = "std")]
+    #[cold]
+    #[inline(never)]
+    fn alloc_upper_slow(&self, m: usize, size: usize, align: usize) -> *mut u8 {
+        self.alloc_with_cache(size, align, |h, tc| {
+            tc.note_lock(h.contended);
+            if !tc.caches_upper() {
+                return h.allocate(size, align);
+            }
+            let p = h.allocate_medium(m, size, align);
+            h.note_slow(tc, tcache::MEDIUM_BIT + m);
+            p
+        })
+    }
+
+    /// An upper-class free the cache's fast path declined in a thread that caches upper-class
+    /// blocks now: as a medium one, unless the lock was not contended this time and that ends the
+    /// caching (then the plain free).
+    #[cfg(feature = "std")]
+    #[cold]
+    #[inline(never)]
+    fn free_upper_slow(&self, ptr: *mut u8, m: usize) {
+        self.free_with_cache(ptr, |h, tc| {
+            tc.note_lock(h.contended);
+            if tc.caches_upper() {
+                h.free_medium_to_cache(tc, m, ptr as usize);
+            } else {
+                h.free(ptr);
+            }
+        });
     }
 
     /// The slow paths' allocation: `f` under the lock with the calling thread's cache (bound first
@@ -2578,7 +2715,13 @@ impl Heap {
     /// larger takes the checked pointer-based free), makes room, and caches it by its own class.
     fn free_medium_to_cache(&mut self, tc: &ThreadCache, m: usize, p: usize) {
         // The block's own class: the layout's, or larger (a block from the next class's stack).
-        let Some(m) = self.medium.class_of(p).filter(|&k| k >= m) else {
+        // (Of the layout's group: an upper-class block freed with a medium layout, a wrong
+        // layout, must not join an upper stack of a thread that does not cache them.)
+        let Some(m) = self
+            .medium
+            .class_of(p)
+            .filter(|&k| k >= m && (k >= medium::NUM_LOWER) == (m >= medium::NUM_LOWER))
+        else {
             self.free(p as *mut u8);
             return;
         };
@@ -2645,6 +2788,22 @@ impl Heap {
                     });
                 }
             }
+            // Each budget's byte count is its classes' blocks.
+            let bytes = |classes: core::ops::Range<usize>| {
+                classes
+                    .map(|m| tc.medium_count(m) * medium::class_size(m))
+                    .sum::<usize>()
+            };
+            if tc.medium_bytes(false) != bytes(0..medium::NUM_LOWER)
+                || tc.medium_bytes(true) != bytes(medium::NUM_LOWER..medium::NUM_MEDIUM)
+                || tc.medium_bytes(false) > medium::MEDIUM_BUDGET
+                || tc.medium_bytes(true) > medium::UPPER_BUDGET
+            {
+                return Err(CheckError {
+                    what: "thread cache's medium or upper byte count is off or over its budget",
+                    at: None,
+                });
+            }
             for m in 0..medium::NUM_MEDIUM {
                 let mut ok = true;
                 tc.walk_medium(m, |p| {
@@ -2658,7 +2817,7 @@ impl Heap {
                         at: None,
                     });
                 }
-                if tc.has_duplicate_medium(m) {
+                if tc.medium_count(m) > medium::MEDIUM_BIN || tc.has_duplicate_medium(m) {
                     return Err(CheckError {
                         what: "thread cache stack overfull or holding a block twice",
                         at: None,

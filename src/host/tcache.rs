@@ -31,7 +31,10 @@
 //!
 //! **Medium blocks** (engine blocks of a medium class, 20 to 64 KiB: see `medium.rs`) have stacks
 //! of their own, of [`MEDIUM_BIN`] (8) blocks per class and at most [`MEDIUM_BUDGET`] (768 KiB) in
-//! all, so a thread caches at most [`MAX_CACHED_BYTES`] (1,967 KiB, small and medium). A medium
+//! all. So do the upper classes (80 KiB to 1 MiB), in a thread that meets contention on the heap
+//! lock ([`ThreadCache::caches_upper`]), with a budget of their own, [`UPPER_BUDGET`] (8 MiB). So a
+//! thread caches at most [`MAX_CACHED_BYTES`] (10,159 KiB: 1,199 KiB small, 768 KiB medium, 8 MiB
+//! upper; 1,967 KiB in a thread that never met contention). A medium
 //! allocation that neither its class's stack nor the next class's can serve takes one block from
 //! the engine under the lock (no batch: the engine splits blocks from free memory of any size, and
 //! a batch would only hold it); a free that finds the stack or the budget full gives half the
@@ -72,7 +75,9 @@
 
 use core::cell::Cell;
 
-use super::medium::{self, MEDIUM_BIN, MEDIUM_BUDGET, NUM_MEDIUM, WINDOW_SHIFT};
+use super::medium::{
+    self, MEDIUM_BIN, MEDIUM_BUDGET, NUM_LOWER, NUM_MEDIUM, UPPER_BUDGET, WINDOW_SHIFT,
+};
 use super::small::{class_size, NUM_CLASSES, SPAN, SPAN_SHIFT};
 use crate::sync::{AtomicBool, AtomicUsize, Ordering};
 /// The medium table is read the same way (see `medium.rs`).
@@ -167,8 +172,8 @@ const STACK: [usize; NUM_CLASSES] = {
 /// Length of [`ThreadCache::slots`]: the stacks and their guards.
 const CACHE_SLOTS: usize = SLOTS + NUM_CLASSES;
 
-/// Most bytes one thread's cache holds (the sum of every class's capacity times its size, small
-/// and medium).
+/// Most bytes one thread's cache holds (the sum of every class's capacity times its size, small,
+/// medium and upper; upper-class blocks only in a thread that meets contention on the heap lock).
 pub const MAX_CACHED_BYTES: usize = {
     let mut sum = 0;
     let mut c = 0;
@@ -177,15 +182,24 @@ pub const MAX_CACHED_BYTES: usize = {
         c += 1;
     }
     let mut medium_sum = 0;
+    let mut upper_sum = 0;
     let mut m = 0;
     while m < NUM_MEDIUM {
-        medium_sum += MEDIUM_BIN * medium::class_size(m);
+        if m < NUM_LOWER {
+            medium_sum += MEDIUM_BIN * medium::class_size(m);
+        } else {
+            upper_sum += MEDIUM_BIN * medium::class_size(m);
+        }
         m += 1;
     }
     sum + if medium_sum < MEDIUM_BUDGET {
         medium_sum
     } else {
         MEDIUM_BUDGET
+    } + if upper_sum < UPPER_BUDGET {
+        upper_sum
+    } else {
+        UPPER_BUDGET
     }
 };
 
@@ -201,6 +215,10 @@ pub(crate) const fn batch(c: usize) -> usize {
 /// Slow-path events (refills and flushes of any class) in one decay period of a thread's cache: at
 /// the end of each period, every class that had none of them gives back half its blocks.
 pub(crate) const DECAY_PERIOD: u32 = 256;
+
+/// Upper-class lock operations a thread goes on caching upper-class blocks after one that found the
+/// heap lock held (see [`ThreadCache::caches_upper`]).
+pub(crate) const CONTENDED_HEAT: u32 = 1024;
 
 /// Bit of medium class `m` in `ThreadCache::active` and in the classes [`ThreadCache::note_slow`]
 /// returns is `MEDIUM_BIT + m`; small class `c`'s is `c`.
@@ -244,8 +262,12 @@ pub(crate) struct ThreadCache {
     /// The medium stacks: class `m`'s is `medium_slots[m * MEDIUM_BIN..][..medium_counts[m]]`, top
     /// last.
     medium_slots: [Cell<usize>; NUM_MEDIUM * MEDIUM_BIN],
-    /// Bytes of the medium stacks' blocks (owner thread only).
-    medium_bytes: Cell<usize>,
+    /// Bytes of the medium classes' stacks and of the upper classes' (owner thread only).
+    medium_bytes: [Cell<usize>; 2],
+    /// Lock operations of upper-class requests left before the thread stops caching them: set
+    /// to [`CONTENDED_HEAT`] when such an operation found the heap lock held, less one for each
+    /// that did not (owner thread only; see `medium.rs`).
+    heat: Cell<u32>,
     /// Slow-path events in the current decay period (owner thread only).
     events: Cell<u32>,
     /// Bit `c` (`MEDIUM_BIT + m`): small class `c` (medium class `m`) had a slow-path event in the
@@ -271,7 +293,8 @@ impl ThreadCache {
                 medium: Cell::new(core::ptr::null()),
                 medium_counts: [const { AtomicU32::new(0) }; NUM_MEDIUM],
                 medium_slots: [const { Cell::new(0) }; NUM_MEDIUM * MEDIUM_BIN],
-                medium_bytes: Cell::new(0),
+                medium_bytes: [const { Cell::new(0) }; 2],
+                heat: Cell::new(0),
                 events: Cell::new(0),
                 active: Cell::new(0),
             }
@@ -428,53 +451,107 @@ impl ThreadCache {
     #[inline(always)]
     fn medium_slot(&self, m: usize, i: usize) -> &Cell<usize> {
         debug_assert!(m < NUM_MEDIUM && i < MEDIUM_BIN);
-        // SAFETY: `m < NUM_MEDIUM` (a class from `medium::class_for` or a loop over the classes)
-        // and `i < MEDIUM_BIN` (callers index below the count, which never exceeds `MEDIUM_BIN`,
+        // SAFETY: `m < NUM_MEDIUM` (a class from `medium::class_for` or `upper_class_for`, one
+        // of the next classes up that `pop_medium_for` and `pop_upper_for` bound by `NUM_LOWER`
+        // and `NUM_MEDIUM`, a class `entry_class` decoded, which it bounds by `NUM_MEDIUM`, or a
+        // loop over the classes) and `i < MEDIUM_BIN` (callers index below the count, which never exceeds `MEDIUM_BIN`,
         // or at the count after checking it is below), so the index is inside `medium_slots`.
         unsafe { self.medium_slots.get_unchecked(m * MEDIUM_BIN + i) }
     }
 
-    /// Pops a medium block of class `m` (owner thread only).
+    /// Pops a block of class `m` (owner thread only): a medium class, or an upper one if `UPPER`.
     #[inline(always)]
-    pub(crate) fn pop_medium(&self, m: usize) -> Option<usize> {
+    fn pop_in<const UPPER: bool>(&self, m: usize) -> Option<usize> {
+        debug_assert_eq!(m >= NUM_LOWER, UPPER);
         let n = self.medium_count(m);
         if n == 0 {
             return None;
         }
         let p = self.medium_slot(m, n - 1).get();
         self.set_medium_count(m, n - 1);
-        self.medium_bytes
-            .set(self.medium_bytes.get() - medium::class_size(m));
+        let bytes = &self.medium_bytes[UPPER as usize];
+        bytes.set(bytes.get() - medium::class_size(m));
         Some(p)
     }
 
     /// Whether a block of medium class `m` fits the medium stacks' byte budget.
     #[inline(always)]
     pub(crate) fn medium_room(&self, m: usize) -> bool {
-        self.medium_bytes.get() + medium::class_size(m) <= MEDIUM_BUDGET
+        let (bytes, budget) = if m < NUM_LOWER {
+            (&self.medium_bytes[0], MEDIUM_BUDGET)
+        } else {
+            (&self.medium_bytes[1], UPPER_BUDGET)
+        };
+        bytes.get() + medium::class_size(m) <= budget
     }
 
-    /// Pushes a medium block the caller frees with a layout of class `m` (owner thread only), onto
-    /// the stack of its own class (see [`ThreadCache::medium_class`]). `false` (nothing changed)
-    /// when the slow path must see it: the table does not name the block as a live medium block of
-    /// class `m` or larger, its stack or the budget is full, or it is the block on top of its stack
-    /// (freed twice in a row).
+    /// Adds `delta` (wrapping: a negative amount as its two's complement) to the byte count of
+    /// class `m`'s budget.
+    #[inline(always)]
+    fn add_bytes(&self, m: usize, delta: usize) {
+        let bytes = &self.medium_bytes[(m >= NUM_LOWER) as usize];
+        bytes.set(bytes.get().wrapping_add(delta));
+    }
+
+    /// Bytes of the upper classes' blocks if `upper`, else of the medium classes' (owner thread
+    /// only).
+    pub(crate) fn medium_bytes(&self, upper: bool) -> usize {
+        self.medium_bytes[upper as usize].get()
+    }
+
+    /// Whether the thread caches upper-class blocks now: an upper-class request's lock operation
+    /// found the heap lock held within the last [`CONTENDED_HEAT`] of them (owner thread only).
+    #[inline(always)]
+    pub(crate) fn caches_upper(&self) -> bool {
+        self.heat.get() > 0
+    }
+
+    /// Notes whether a lock operation of an upper-class request found the heap lock held (owner
+    /// thread only).
+    #[inline]
+    pub(crate) fn note_lock(&self, contended: bool) {
+        self.heat.set(if contended {
+            CONTENDED_HEAT
+        } else {
+            self.heat.get().saturating_sub(1)
+        });
+    }
+
+    /// Pushes a medium block the caller frees with a layout of medium class `m` (owner thread
+    /// only), onto the stack of its own class (see [`ThreadCache::medium_class`]). `false`
+    /// (nothing changed) when the slow path must see it: the table does not name the block as a
+    /// live medium block of class `m` or larger (or names an upper-class one), its stack or the
+    /// budget is full, or it is the block on top of its stack (freed twice in a row).
     #[inline(always)]
     pub(crate) fn push_medium(&self, m: usize, p: usize) -> bool {
+        self.push_in::<false>(m, p)
+    }
+
+    /// [`ThreadCache::push_medium`] for a block freed with a layout of upper class `m`, which the
+    /// table must name as an upper-class block of class `m` or larger.
+    #[inline(always)]
+    pub(crate) fn push_upper(&self, m: usize, p: usize) -> bool {
+        self.push_in::<true>(m, p)
+    }
+
+    #[inline(always)]
+    fn push_in<const UPPER: bool>(&self, m: usize, p: usize) -> bool {
         let Some(k) = self.medium_class(m, p) else {
             return false;
         };
+        let budget = if UPPER { UPPER_BUDGET } else { MEDIUM_BUDGET };
+        let bytes = &self.medium_bytes[UPPER as usize];
         let n = self.medium_count(k);
-        if n >= MEDIUM_BIN
-            || !self.medium_room(k)
+        if (k >= NUM_LOWER) != UPPER
+            || n >= MEDIUM_BIN
+            || bytes.get() + medium::class_size(k) > budget
             || (n > 0 && self.medium_slot(k, n - 1).get() == p)
         {
             return false;
         }
         self.medium_slot(k, n).set(p);
         self.set_medium_count(k, n + 1);
-        self.medium_bytes
-            .set(self.medium_bytes.get() + medium::class_size(k));
+        bytes.set(bytes.get() + medium::class_size(k));
         true
     }
 
@@ -504,15 +581,31 @@ impl ThreadCache {
         self.medium_class(m, p).is_some()
     }
 
-    /// A cached block for a class `m` request: one of class `m`, or else one of the next class up
-    /// (at most a class step larger, and spared a trip to the engine). Owner thread only.
+    /// A cached block for a medium class `m` request: one of class `m`, or else one of the next
+    /// medium class up (at most a class step larger, and spared a trip to the engine). Owner
+    /// thread only.
     #[inline(always)]
     pub(crate) fn pop_medium_for(&self, m: usize) -> Option<usize> {
-        self.pop_medium(m).or_else(|| {
-            (m + 1 < NUM_MEDIUM)
-                .then(|| self.pop_medium(m + 1))
+        self.pop_in::<false>(m).or_else(|| {
+            (m + 1 < NUM_LOWER)
+                .then(|| self.pop_in::<false>(m + 1))
                 .flatten()
         })
+    }
+
+    /// For an upper class `m` request: a cached block of class `m` or one of the next two upper
+    /// classes (at most two class steps larger), else `Err` of whether the thread caches
+    /// upper-class blocks now (owner thread only).
+    #[inline(always)]
+    pub(crate) fn pop_upper_for(&self, m: usize) -> Result<usize, bool> {
+        if self.medium_bytes[1].get() != 0 {
+            for k in m..(m + 3).min(NUM_MEDIUM) {
+                if let Some(p) = self.pop_in::<true>(k) {
+                    return Ok(p);
+                }
+            }
+        }
+        Err(self.caches_upper())
     }
 
     /// Adds a medium block without checks (a slow-path free that was checked under the lock). The
@@ -526,8 +619,7 @@ impl ThreadCache {
         }
         self.medium_slot(m, n).set(p);
         self.set_medium_count(m, n + 1);
-        self.medium_bytes
-            .set(self.medium_bytes.get() + medium::class_size(m));
+        self.add_bytes(m, medium::class_size(m));
     }
 
     /// Pops up to `out.len()` blocks of medium class `m` into `out` (owner thread only); returns
@@ -539,8 +631,7 @@ impl ThreadCache {
             *o = self.medium_slot(m, n - 1 - j).get();
         }
         self.set_medium_count(m, n - k);
-        self.medium_bytes
-            .set(self.medium_bytes.get() - k * medium::class_size(m));
+        self.add_bytes(m, (k * medium::class_size(m)).wrapping_neg());
         k
     }
 
@@ -607,7 +698,9 @@ impl ThreadCache {
         for m in 0..NUM_MEDIUM {
             self.set_medium_count(m, 0);
         }
-        self.medium_bytes.set(0);
+        self.medium_bytes[0].set(0);
+        self.medium_bytes[1].set(0);
+        self.heat.set(0);
         self.events.set(0);
         self.active.set(0);
         self.owner.set(UNBOUND);
@@ -824,7 +917,7 @@ mod tests {
             assert!(batch(c) >= 4);
         }
         // The figures the module docs and the README quote.
-        assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 1199 + 768);
+        assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 1199 + 768 + 8192);
         assert_eq!((CACHE_SLOTS * 8).div_ceil(1024), 15);
     }
 

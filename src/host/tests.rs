@@ -2404,7 +2404,7 @@ fn a_block_resized_into_a_medium_class_off_its_alignment_is_not_named() {
 fn medium_caches_are_bounded() {
     let a = small_instance();
     let mut blocks = std::vec::Vec::new();
-    for m in 0..medium::NUM_MEDIUM {
+    for m in 0..medium::NUM_LOWER {
         let l = layout(medium::class_size(m), 16);
         for _ in 0..2 * medium::MEDIUM_BIN {
             blocks.push((alloc_ok(&a, l), l));
@@ -2523,6 +2523,325 @@ fn check_finds_wrong_medium_entries() {
     );
     set(m);
     assert_eq!(a.check(), Ok(()));
+}
+
+/// Binds the calling thread's cache to `a` (a small allocation and free), then makes it cache
+/// upper-class blocks, as after an upper-class request that found the heap lock held. Returns the
+/// bytes the cache holds then (small blocks from the refill).
+fn cache_upper_blocks(a: &GlobalBfc) -> usize {
+    let l = layout(64, 8);
+    let p = alloc_ok(a, l);
+    // SAFETY: `p` came from `a` with `l` and is freed once.
+    unsafe { a.dealloc(p, l) };
+    assert_eq!(a.bound_cache(|tc| tc.note_lock(true)), Some(()));
+    a.thread_cache_bytes()
+}
+
+/// Whether the calling thread's cache (bound to `a`) caches upper-class blocks now.
+fn caches_upper(a: &GlobalBfc) -> bool {
+    a.bound_cache(|tc| tc.caches_upper()).unwrap()
+}
+
+/// Upper-class requests (above 64 KiB, at most 1 MiB) are cached only by a thread whose
+/// upper-class requests found the heap lock held: before, a block of the request's own size goes
+/// back to the engine when freed; after, a block of the class size waits in the cache and serves
+/// requests of its class and of the two classes below without the engine; and once
+/// `CONTENDED_HEAT` lock operations of such requests in a row found the lock free, the thread
+/// stops caching them.
+#[test]
+fn upper_blocks_are_cached_only_after_contention() {
+    let a = small_instance();
+    let l = layout(200_000, 8);
+    let m = medium::upper_class_for(200_000, 8).unwrap();
+    assert_eq!(medium::class_size(m), 224 << 10);
+    let p = alloc_ok(&a, l);
+    assert_eq!(a.usable_size(p), Some(200_000));
+    // SAFETY: `p` came from `a` with `l` and is freed once.
+    unsafe { a.dealloc(p, l) };
+    assert_eq!((a.thread_cache_bytes(), a.usable_size(p)), (0, None));
+
+    let small = cache_upper_blocks(&a);
+    let q = alloc_ok(&a, l);
+    assert_eq!(a.usable_size(q), Some(224 << 10));
+    // SAFETY: `q` came from `a` with `l` and is freed once.
+    unsafe { a.dealloc(q, l) };
+    assert_eq!(a.thread_cache_bytes(), small + (224 << 10));
+    let s = a.stats();
+    assert_eq!((s.bytes_in_use, s.bytes_cached), (0, small + (224 << 10)));
+    assert_eq!(a.usable_size(q), Some(224 << 10));
+    assert_eq!(a.check(), Ok(()));
+    // A request two classes down (160 KiB) takes it, without the engine.
+    let down = layout(150_000, 16);
+    assert_eq!(medium::upper_class_for(150_000, 16), Some(m - 2));
+    assert_eq!(alloc_ok(&a, down), q);
+    assert_eq!(a.stats().num_allocs, s.num_allocs);
+    // Three classes down (128 KiB) does not.
+    // SAFETY: `q` came from `a` with `down` and is freed once.
+    unsafe { a.dealloc(q, down) };
+    let three_down = layout(128 << 10, 16);
+    let r = alloc_ok(&a, three_down);
+    assert_ne!(r, q);
+    assert_eq!(a.usable_size(r), Some(128 << 10));
+    assert_eq!(a.stats().num_allocs, s.num_allocs + 1);
+    // SAFETY: `r` came from `a` with `three_down` and is freed once.
+    unsafe { a.dealloc(r, three_down) };
+    assert_eq!(a.flush_thread_cache(), 2 + small / 64);
+    assert_eq!((a.usable_size(q), a.usable_size(r)), (None, None));
+
+    // One lock operation left: an upper-class miss that finds the lock free ends the caching, and
+    // its block has the request's size.
+    a.bound_cache(|tc| {
+        tc.note_lock(true);
+        for _ in 1..tcache::CONTENDED_HEAT {
+            tc.note_lock(false);
+        }
+    })
+    .unwrap();
+    assert!(caches_upper(&a));
+    let e = alloc_ok(&a, l);
+    assert!(!caches_upper(&a));
+    assert_eq!(a.usable_size(e), Some(200_000));
+    // SAFETY: `e` came from `a` with `l` and is freed once.
+    unsafe { a.dealloc(e, l) };
+    assert_eq!((a.thread_cache_bytes(), a.usable_size(e)), (0, None));
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// Runs `f` on this thread while another thread holds `a`'s heap lock, which it releases once a
+/// thread waiting for it ran the lock's re-entry check once more (so `f`'s first attempt to take it
+/// failed),
+/// or after a minute (then `f` may not have waited; the caller's assertions fail).
+fn while_the_lock_is_held<R>(a: &std::sync::Arc<GlobalBfc>, f: impl FnOnce() -> R) -> R {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    let held = std::sync::Arc::new(AtomicBool::new(false));
+    let (b, h) = (a.clone(), held.clone());
+    let holder = std::thread::spawn(move || {
+        let anchor = b.anchor.load(crate::sync::Ordering::Acquire);
+        b.with_heap(|_| {
+            h.store(true, SeqCst);
+            // SAFETY: the anchor lives as long as `b`; only the lock's own counter is read.
+            let lock = unsafe { &(*anchor).heap };
+            let (checks, start) = (lock.reentry_checks(), std::time::Instant::now());
+            while lock.reentry_checks() == checks && start.elapsed().as_secs() < 60 {
+                std::thread::yield_now();
+            }
+        })
+        .unwrap();
+    });
+    while !held.load(SeqCst) {
+        std::thread::yield_now();
+    }
+    let r = f();
+    holder.join().unwrap();
+    r
+}
+
+/// An upper-class allocation or free that finds the heap lock held (here by another thread) makes
+/// its thread cache upper-class blocks from then on; the same requests finding it free do not,
+/// and a thread whose cache was not bound yet (it made only upper-class requests) binds it.
+#[test]
+#[cfg_attr(miri, ignore = "waits for thousands of spins")]
+fn an_upper_request_that_waits_for_the_lock_starts_the_caching() {
+    let a = std::sync::Arc::new(small_instance());
+    let l = layout(300_000, 8);
+    // A thread with no bound cache: uncontended requests leave it unbound and not caching.
+    let b = a.clone();
+    std::thread::spawn(move || {
+        let p = alloc_ok(&b, l);
+        // SAFETY: `p` came from `b` with `l` and is freed once.
+        unsafe { b.dealloc(p, l) };
+        assert_eq!(b.bound_cache(|_| ()), None);
+        let q = while_the_lock_is_held(&b, || alloc_ok(&b, l));
+        assert!(caches_upper(&b));
+        // SAFETY: `q` came from `b` with `l` and is freed once.
+        unsafe { b.dealloc(q, l) };
+    })
+    .join()
+    .unwrap();
+
+    cache_upper_blocks(&a);
+    let stop_caching = || {
+        a.bound_cache(|tc| {
+            for _ in 0..tcache::CONTENDED_HEAT {
+                tc.note_lock(false);
+            }
+        })
+        .unwrap()
+    };
+    stop_caching();
+    assert!(!caches_upper(&a));
+    let p = alloc_ok(&a, l);
+    // SAFETY: `p` came from `a` with `l` and is freed once.
+    unsafe { a.dealloc(p, l) };
+    assert!(!caches_upper(&a));
+    // An allocation that waits.
+    let q = while_the_lock_is_held(&a, || alloc_ok(&a, l));
+    assert!(caches_upper(&a));
+    // The block taken while waiting has the request's size; the next one the class size, and it
+    // is cached when freed.
+    assert_eq!(a.usable_size(q), Some(300_000));
+    let r = alloc_ok(&a, l);
+    assert_eq!(a.usable_size(r), Some(320 << 10));
+    let before = a.thread_cache_bytes();
+    // SAFETY: each came from `a` with `l` and is freed once.
+    unsafe {
+        a.dealloc(q, l);
+        a.dealloc(r, l);
+    }
+    assert_eq!(a.thread_cache_bytes(), before + (320 << 10));
+    assert_eq!(a.usable_size(q), None);
+    // A free that waits.
+    a.flush_thread_cache();
+    stop_caching();
+    let s = alloc_ok(&a, l);
+    // SAFETY: `s` came from `a` with `l` and is freed once.
+    while_the_lock_is_held(&a, || unsafe { a.dealloc(s, l) });
+    assert!(caches_upper(&a));
+    assert_eq!(a.usable_size(s), None);
+    a.flush_thread_cache();
+    assert_eq!(a.stats().bytes_in_use, 0);
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A medium layout freed on an upper-class block (a wrong layout) does not put it in the
+/// upper-class stacks of a thread that does not cache them; it goes back to the engine.
+#[test]
+fn an_upper_block_freed_with_a_medium_layout_is_not_cached() {
+    let a = small_instance();
+    let small = cache_upper_blocks(&a);
+    let p = alloc_ok(&a, layout(200_000, 8));
+    assert_eq!(a.usable_size(p), Some(224 << 10));
+    a.bound_cache(|tc| {
+        for _ in 0..tcache::CONTENDED_HEAT {
+            tc.note_lock(false);
+        }
+    })
+    .unwrap();
+    // SAFETY: `p` came from `a`; the layout is the wrong one under test (a medium class's).
+    unsafe { a.dealloc(p, layout(60_000, 8)) };
+    assert_eq!(a.thread_cache_bytes(), small);
+    assert_eq!(a.usable_size(p), None);
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A class-size upper-class block resized in place loses its table entry (so it is not cached as
+/// a block of its old class), and an exiting thread gives its cached upper-class blocks back.
+#[test]
+fn resized_and_exiting_upper_blocks_go_back_to_the_engine() {
+    let a = std::sync::Arc::new(small_instance());
+    let b = a.clone();
+    let l = layout(100_000, 8);
+    let kept = std::thread::spawn(move || {
+        let small = cache_upper_blocks(&b);
+        let p = alloc_ok(&b, l);
+        assert_eq!(b.usable_size(p), Some(112 << 10));
+        // SAFETY: `p` came from `b` with `l`; shrunk in place to 90,000 bytes (no move: the
+        // engine shrinks a block where it lies).
+        let q = unsafe { b.realloc(p, l, 90_000) };
+        assert_eq!(q, p);
+        assert_eq!(b.usable_size(q), Some(90_000));
+        // SAFETY: `q` holds 90,000 bytes; freed once with that layout.
+        unsafe { b.dealloc(q, layout(90_000, 8)) };
+        assert_eq!((b.thread_cache_bytes(), b.usable_size(q)), (small, None));
+        // A cached block, kept across the thread's exit.
+        let r = alloc_ok(&b, l);
+        // SAFETY: `r` came from `b` with `l` and is freed once.
+        unsafe { b.dealloc(r, l) };
+        assert_eq!(b.thread_cache_bytes(), small + (112 << 10));
+        r as usize
+    })
+    .join()
+    .unwrap();
+    let s = a.stats();
+    assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 0));
+    assert_eq!(a.usable_size(kept as *const u8), None);
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A thread caches at most `MEDIUM_BIN` blocks of an upper class and `UPPER_BUDGET` bytes of them
+/// in all (beside the medium classes' budget); the rest go back to the engine, and every block is
+/// accounted for.
+#[test]
+fn upper_caches_are_bounded() {
+    let a = GlobalBfc::with_config(HostConfig {
+        arena_size: 256 << 20,
+        min_arena_size: 256 << 20,
+        chunk_capacity: 1 << 12,
+        ..HostConfig::DEFAULT
+    });
+    let small = cache_upper_blocks(&a);
+    let upper_bytes = || {
+        a.bound_cache(|tc| {
+            (medium::NUM_LOWER..medium::NUM_MEDIUM)
+                .map(|m| tc.medium_count(m) * medium::class_size(m))
+                .sum::<usize>()
+        })
+        .unwrap()
+    };
+    let mut blocks = std::vec::Vec::new();
+    for m in medium::NUM_LOWER..medium::NUM_MEDIUM {
+        let l = layout(medium::class_size(m), 16);
+        let n = if medium::class_size(m) <= 256 << 10 {
+            medium::MEDIUM_BIN + 2
+        } else {
+            4
+        };
+        for _ in 0..n {
+            blocks.push((alloc_ok(&a, l), l));
+        }
+    }
+    for &(p, l) in &blocks {
+        // SAFETY: each block came from `a` with `l` and is freed once.
+        unsafe { a.dealloc(p, l) };
+        assert!(upper_bytes() <= medium::UPPER_BUDGET);
+        let most = a
+            .bound_cache(|tc| {
+                (medium::NUM_LOWER..medium::NUM_MEDIUM)
+                    .map(|m| tc.medium_count(m))
+                    .max()
+                    .unwrap()
+            })
+            .unwrap();
+        assert!(most <= medium::MEDIUM_BIN);
+    }
+    assert!(caches_upper(&a));
+    let cached = upper_bytes();
+    // The budget is nearly used: the largest class's block does not fit beside the cached ones.
+    assert!(
+        cached + medium::UPPER_MAX > medium::UPPER_BUDGET,
+        "{cached}"
+    );
+    assert_eq!(a.thread_cache_bytes(), small + cached);
+    let s = a.stats();
+    assert_eq!((s.bytes_in_use, s.bytes_cached), (0, small + cached));
+    assert_eq!(a.check(), Ok(()));
+    a.flush_thread_cache();
+    assert_eq!(a.stats().bytes_cached, 0);
+    for &(p, _) in &blocks {
+        assert_eq!(a.usable_size(p), None, "{p:p} still held");
+    }
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A cached upper-class block freed again on the same thread is caught at the second free.
+#[test]
+#[cfg_attr(miri, ignore = "spawns a child process")]
+fn an_upper_block_freed_twice_aborts() {
+    let case = "an_upper_block_freed_twice_aborts";
+    if is_child(case) {
+        let a = small_instance();
+        cache_upper_blocks(&a);
+        let l = layout(500_000, 8);
+        let p = alloc_ok(&a, l);
+        // SAFETY: the first free is valid; the second is the error under test.
+        unsafe {
+            a.dealloc(p, l);
+            a.dealloc(p, l);
+        }
+        std::println!("child survived");
+        return;
+    }
+    assert_child_aborts("host::tests", case, "already in this thread's cache");
 }
 
 /// A medium block freed twice in a row on one thread is caught at the second free.
