@@ -1966,6 +1966,12 @@ unsafe impl GlobalAlloc for GlobalBfc {
         if let Some(c) = small::class_for(layout.size(), layout.align()) {
             return self.alloc_small(c, layout.size(), layout.align());
         }
+        // (Before the medium path, so that the size and alignment need not outlive it: the
+        // small path then needs no saved register.)
+        #[cfg(feature = "std")]
+        if layout.size() > medium::MEDIUM_MAX {
+            return Self::alloc_beyond_medium(layout.size(), layout.align(), self);
+        }
         #[cfg(feature = "std")]
         if let Some(m) = medium::class_for(layout.size(), layout.align()) {
             return match self.bound_cache(|tc| tc.pop_medium_for(m)).flatten() {
@@ -1973,9 +1979,6 @@ unsafe impl GlobalAlloc for GlobalBfc {
                 None => self.alloc_medium_slow(m, layout.size(), layout.align()),
             };
         }
-        #[cfg(feature = "std")]
-        return self.alloc_beyond_medium(layout.size(), layout.align());
-        #[cfg(not(feature = "std"))]
         self.alloc_locked(layout.size(), layout.align())
     }
 
@@ -2061,6 +2064,12 @@ unsafe impl GlobalAlloc for GlobalBfc {
             }
             return;
         }
+        // (Before the medium path, so that the size and alignment need not outlive it: the
+        // small path then needs no saved register.)
+        #[cfg(feature = "std")]
+        if layout.size() > medium::MEDIUM_MAX {
+            return Self::free_beyond_medium(ptr, layout.size(), layout.align(), self);
+        }
         #[cfg(feature = "std")]
         if let Some(m) = medium::class_for(layout.size(), layout.align()) {
             if self.bound_cache(|tc| tc.push_medium(m, ptr as usize)) != Some(true) {
@@ -2068,13 +2077,8 @@ unsafe impl GlobalAlloc for GlobalBfc {
             }
             return;
         }
-        #[cfg(feature = "std")]
-        return self.free_beyond_medium(ptr, layout.size(), layout.align());
-        #[cfg(not(feature = "std"))]
-        {
-            let _ = layout;
-            self.free_locked(ptr);
-        }
+        let _ = layout;
+        self.free_locked(ptr);
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -2223,14 +2227,23 @@ impl GlobalBfc {
         self.free_with_cache(ptr, |h, tc| h.free_medium_to_cache(tc, m, ptr as usize));
     }
 
-    /// An allocation neither small nor medium: an upper-class one (see `medium.rs`) from the
+    /// An allocation above [`medium::MEDIUM_MAX`]: an upper-class one (see `medium.rs`) from the
     /// thread's cache if it holds one (or a class-size block under the lock if the thread caches
     /// them now), else a block of `size` bytes under the lock; if an upper-class request found the
     /// lock contended, the thread caches upper-class blocks from now on.
-    // Out of line, so the small and medium fast paths it sits beside stay lean.
+    // Out of line, so the small and medium fast paths it sits beside stay lean; the allocator
+    // last, so the arguments the caller got arrive in the registers they came in (the small path
+    // then moves no register to keep them for this call: 2 instructions a call on `pairs`).
     #[cfg(feature = "std")]
     #[inline(never)]
-    fn alloc_beyond_medium(&self, size: usize, align: usize) -> *mut u8 {
+    fn alloc_beyond_medium(size: usize, align: usize, this: &Self) -> *mut u8 {
+        this.alloc_above_medium(size, align)
+    }
+
+    /// [`GlobalBfc::alloc_beyond_medium`]'s body.
+    #[cfg(feature = "std")]
+    #[inline(always)]
+    fn alloc_above_medium(&self, size: usize, align: usize) -> *mut u8 {
         let upper = medium::upper_class_for(size, align);
         if let Some(m) = upper {
             // A thread that stopped caching them takes what is cached all the same.
@@ -2250,13 +2263,20 @@ impl GlobalBfc {
         p
     }
 
-    /// A free neither small nor medium: an upper-class one into the thread's cache if it caches
+    /// A free above [`medium::MEDIUM_MAX`]: an upper-class one into the thread's cache if it caches
     /// them now and has room, else under the lock (as for [`GlobalBfc::alloc_beyond_medium`], an
     /// upper-class free that found the lock contended starts the caching).
-    // Out of line, so the small and medium fast paths it sits beside stay lean.
+    // Out of line, and the allocator last: see `alloc_beyond_medium`.
     #[cfg(feature = "std")]
     #[inline(never)]
-    fn free_beyond_medium(&self, ptr: *mut u8, size: usize, align: usize) {
+    fn free_beyond_medium(ptr: *mut u8, size: usize, align: usize, this: &Self) {
+        this.free_above_medium(ptr, size, align)
+    }
+
+    /// [`GlobalBfc::free_beyond_medium`]'s body.
+    #[cfg(feature = "std")]
+    #[inline(always)]
+    fn free_above_medium(&self, ptr: *mut u8, size: usize, align: usize) {
         let upper = medium::upper_class_for(size, align);
         if let Some(m) = upper {
             match self.bound_cache(|tc| tc.caches_upper().then(|| tc.push_upper(m, ptr as usize))) {
