@@ -46,13 +46,16 @@
 //! that never meets contention (every single-threaded program) never rounds or caches these
 //! blocks; `alloc_zeroed` never takes them from a cache. Blocks in other threads' caches are out
 //! of reach of an allocation that runs out of room (as small and medium ones are), and there can
-//! be up to 8 MiB of them per such thread. bench-peers, 2 threads, interleaved
-//! (ns per step and thread, peak RSS): `large2` (first byte written) 307-450 -> 80-94 ns
-//! (mimalloc with THP off 159-280), 4.2 -> 5.0 MiB; `large2w` (every page written) 1,200-3,400
-//! -> 960-1,340 ns (mimalloc 1,300-1,580), 25 -> 41 MiB (glibc 24, jemalloc 34, mimalloc 56). A
-//! budget of 4 MiB gave 120-260 ns on `large2` and 31-37 MiB on `large2w`; leaving the thread
-//! after 64 uncontended operations instead of 1,024 made `large2` bimodal (70 or 310 ns: with
-//! fewer misses the lock is contended less, and the caching switched itself off).
+//! be up to 8 MiB of them per such thread. bench-peers, 2 threads, six interleaved pairs against
+//! the build before (ns per step and thread, peak RSS): `large2` (first byte written) 321-364 ->
+//! 63-249 ns (median 85; mimalloc with THP off 154-234), 4.0-4.2 -> 4.6-5.2 MiB; `large2w`
+//! (every page written) 1,440-2,000 -> 920-1,510 ns, 25.2-25.8 -> 40.1-43.8 MiB (glibc 24-25,
+//! jemalloc 33, talc 24-25, mimalloc with THP off 59). A budget of 4 MiB gave 120-260 ns on
+//! `large2` and 31-37 MiB on `large2w`; leaving the caching after 64 uncontended operations
+//! instead of 1,024 made `large2` bimodal (70 or 310 ns: with fewer misses the lock is contended
+//! less, and the caching switched itself off). Single-threaded, the branch to these paths costs
+//! `bufw` 2.9% and `large` 2.5% more instructions (cachegrind); six interleaved pairs: `bufw`
+//! 438-465 against 439-463 ns per step, `large` 375-466 against 341-477 (noisy).
 //!
 //! **The table.** A freed block may join a cache only if it is what its layout says, or larger: a
 //! live medium block of the layout's class or a larger one (it then joins its own class's stack). Its layout alone cannot say so (a block resized in
