@@ -194,6 +194,7 @@ fn odd_host_configs() {
             release_threshold: 0,
             granule: 4096,
             thread_cache: false,
+            upper_cache_bytes: 0,
         },
         HostConfig {
             arena_size: 8 << 20,
@@ -202,6 +203,7 @@ fn odd_host_configs() {
             release_threshold: usize::MAX,
             granule: 8,
             thread_cache: true,
+            upper_cache_bytes: 8 << 20,
         },
         HostConfig {
             arena_size: 8 << 20,
@@ -210,6 +212,7 @@ fn odd_host_configs() {
             release_threshold: 1,
             granule: 8,
             thread_cache: true,
+            upper_cache_bytes: 1,
         },
     ];
     for c in cfgs {

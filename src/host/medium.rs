@@ -37,7 +37,9 @@
 //! attempt to take it fails) caches such blocks as it does medium ones, in sixteen more classes
 //! (80 KiB to 1 MiB, four per power of two): a miss takes a block of the class size from the
 //! engine (on the 64 KiB grid, noted in the table), a free joins its class's stack while the
-//! thread's [`UPPER_BUDGET`] (8 MiB of upper-class blocks, [`MEDIUM_BIN`] per class) has room,
+//! thread's budget (`HostConfig::upper_cache_bytes`, by default and at most [`UPPER_BUDGET`],
+//! 8 MiB of upper-class blocks; [`MEDIUM_BIN`] per class) has room (a budget of 0 turns the upper
+//! classes off: no thread starts caching),
 //! and a request takes a cached block of its class or of the next two up (at most 1.75 times its
 //! size, a request of 64 KiB + 1 byte served by a 112 KiB block; the pages past what the caller
 //! writes stay untouched unless an earlier owner wrote them). After `CONTENDED_HEAT` (1,024) such lock operations in a row that found the lock free
@@ -104,7 +106,8 @@ pub(crate) const MEDIUM_BUDGET: usize = 768 << 10;
 /// Largest request of the upper classes, cached only by threads that meet contention on the heap
 /// lock (see the module docs).
 pub(crate) const UPPER_MAX: usize = 1 << 20;
-/// Most bytes of upper-class blocks one thread's cache holds.
+/// Most bytes of upper-class blocks one thread's cache holds (the default and the largest
+/// [`HostConfig::upper_cache_bytes`](super::HostConfig::upper_cache_bytes)).
 pub(crate) const UPPER_BUDGET: usize = 8 << 20;
 
 /// The class sizes, in KiB: the medium classes up to [`MEDIUM_MAX`], then the upper ones up to

@@ -54,7 +54,8 @@
 //!   refill or an overflow moves half a stack, and 8 blocks of each medium class, 768 KiB of them in
 //!   all, where a miss takes one block from the engine and an overflow gives half the class's stack
 //!   back to it; and, only in a thread whose requests above 64 KiB meet contention on the heap lock,
-//!   8 blocks of each upper class (80 KiB to 1 MiB), 8 MiB of them in all (see `medium.rs`);
+//!   8 blocks of each upper class (80 KiB to 1 MiB), [`HostConfig::upper_cache_bytes`] (by default
+//!   8 MiB) of them in all (see `medium.rs`);
 //! - a block freed on another thread joins that thread's cache; a full cache gives half a stack to
 //!   a per-class transfer cache in the heap, from which the refills of that class take their batches
 //!   before the slab layer (at most two stacks per class, about 2.3 MiB in all);
@@ -215,6 +216,12 @@ pub struct HostConfig {
     pub granule: usize,
     /// Per-thread caches of small blocks (`std` builds; default on). See the module docs.
     pub thread_cache: bool,
+    /// Most bytes of upper-class blocks (above 64 KiB, at most 1 MiB) one thread's cache holds,
+    /// once the thread's requests of such sizes have found the heap lock held (`std` builds;
+    /// default and most 8 MiB, [`MAX_CACHED_BYTES`] counts it). 0 turns the upper classes off:
+    /// those requests then always take a block of their own size under the lock. See
+    /// `medium.rs` (upper classes).
+    pub upper_cache_bytes: usize,
 }
 
 impl HostConfig {
@@ -226,6 +233,7 @@ impl HostConfig {
         release_threshold: 1 << 20,
         granule: 16,
         thread_cache: true,
+        upper_cache_bytes: 8 << 20,
     };
 
     /// Checks the parameters. [`GlobalBfc::with_config`] calls it, so a bad configuration in a
@@ -237,7 +245,8 @@ impl HostConfig {
     /// - `arena_size < min_arena_size`;
     /// - `min_arena_size` is below 2 MiB;
     /// - `chunk_capacity` is below 16 or not below `u32::MAX`;
-    /// - `granule` is not a power of two from 8 to 4096.
+    /// - `granule` is not a power of two from 8 to 4096;
+    /// - `upper_cache_bytes` is above 8 MiB.
     ///
     /// The message names the field and the range it must be in.
     pub const fn validate(&self) {
@@ -261,6 +270,10 @@ impl HostConfig {
         assert!(
             self.granule.is_power_of_two() && self.granule >= 8 && self.granule <= 4096,
             "HostConfig: granule must be a power of two from 8 to 4096 bytes"
+        );
+        assert!(
+            self.upper_cache_bytes <= 8 << 20,
+            "HostConfig: upper_cache_bytes must be at most 8 MiB (8 << 20)"
         );
     }
 }
@@ -2424,6 +2437,7 @@ impl GlobalBfc {
             tc.arena_len.set(h.arena_end - h.small.arena());
             tc.classes.set(h.small.classes());
             tc.medium.set(h.medium.entries());
+            tc.upper_budget.set(self.config.upper_cache_bytes);
             f(h)
         });
         if r.is_none() {
@@ -2817,7 +2831,7 @@ impl Heap {
             if tc.medium_bytes(false) != bytes(0..medium::NUM_LOWER)
                 || tc.medium_bytes(true) != bytes(medium::NUM_LOWER..medium::NUM_MEDIUM)
                 || tc.medium_bytes(false) > medium::MEDIUM_BUDGET
-                || tc.medium_bytes(true) > medium::UPPER_BUDGET
+                || tc.medium_bytes(true) > tc.upper_budget.get()
             {
                 return Err(CheckError {
                     what: "thread cache's medium or upper byte count is off or over its budget",

@@ -268,6 +268,10 @@ pub(crate) struct ThreadCache {
     /// to [`CONTENDED_HEAT`] when such an operation found the heap lock held, less one for each
     /// that did not (owner thread only; see `medium.rs`).
     heat: Cell<u32>,
+    /// Most bytes of the upper classes' stacks: the bound instance's
+    /// `HostConfig::upper_cache_bytes` (at most [`UPPER_BUDGET`]; 0 until bound, and when the
+    /// upper classes are off). Owner thread only.
+    pub(crate) upper_budget: Cell<usize>,
     /// Slow-path events in the current decay period (owner thread only).
     events: Cell<u32>,
     /// Bit `c` (`MEDIUM_BIT + m`): small class `c` (medium class `m`) had a slow-path event in the
@@ -295,6 +299,7 @@ impl ThreadCache {
                 medium_slots: [const { Cell::new(0) }; NUM_MEDIUM * MEDIUM_BIN],
                 medium_bytes: [const { Cell::new(0) }; 2],
                 heat: Cell::new(0),
+                upper_budget: Cell::new(0),
                 events: Cell::new(0),
                 active: Cell::new(0),
             }
@@ -480,7 +485,7 @@ impl ThreadCache {
         let (bytes, budget) = if m < NUM_LOWER {
             (&self.medium_bytes[0], MEDIUM_BUDGET)
         } else {
-            (&self.medium_bytes[1], UPPER_BUDGET)
+            (&self.medium_bytes[1], self.upper_budget.get())
         };
         bytes.get() + medium::class_size(m) <= budget
     }
@@ -507,10 +512,10 @@ impl ThreadCache {
     }
 
     /// Notes whether a lock operation of an upper-class request found the heap lock held (owner
-    /// thread only).
+    /// thread only). With no upper budget (the upper classes off) the thread never starts caching.
     #[inline]
     pub(crate) fn note_lock(&self, contended: bool) {
-        self.heat.set(if contended {
+        self.heat.set(if contended && self.upper_budget.get() > 0 {
             CONTENDED_HEAT
         } else {
             self.heat.get().saturating_sub(1)
@@ -539,7 +544,11 @@ impl ThreadCache {
         let Some(k) = self.medium_class(m, p) else {
             return false;
         };
-        let budget = if UPPER { UPPER_BUDGET } else { MEDIUM_BUDGET };
+        let budget = if UPPER {
+            self.upper_budget.get()
+        } else {
+            MEDIUM_BUDGET
+        };
         let bytes = &self.medium_bytes[UPPER as usize];
         let n = self.medium_count(k);
         if (k >= NUM_LOWER) != UPPER
@@ -701,6 +710,7 @@ impl ThreadCache {
         self.medium_bytes[0].set(0);
         self.medium_bytes[1].set(0);
         self.heat.set(0);
+        self.upper_budget.set(0);
         self.events.set(0);
         self.active.set(0);
         self.owner.set(UNBOUND);

@@ -59,6 +59,13 @@ fn bad_configs_are_refused_with_their_reason() {
         (HostConfig { granule: 24, ..d }, "granule must be"),
         (HostConfig { granule: 4, ..d }, "granule must be"),
         (HostConfig { granule: 8192, ..d }, "granule must be"),
+        (
+            HostConfig {
+                upper_cache_bytes: (8 << 20) + 1,
+                ..d
+            },
+            "upper_cache_bytes must be at most 8 MiB",
+        ),
     ];
     for (config, reason) in cases {
         let err = std::panic::catch_unwind(|| GlobalBfc::with_config(config))
@@ -2821,6 +2828,53 @@ fn upper_caches_are_bounded() {
         assert_eq!(a.usable_size(p), None, "{p:p} still held");
     }
     assert_eq!(a.check(), Ok(()));
+}
+
+/// `HostConfig::upper_cache_bytes` bounds a thread's upper-class blocks (here 1 MiB: two blocks
+/// of the 512 KiB class), and 0 turns the upper classes off: a request that finds the lock held
+/// starts no caching, and its blocks have the request's size.
+#[test]
+#[cfg_attr(miri, ignore = "waits for thousands of spins")]
+fn the_upper_budget_is_configurable() {
+    let with_budget = |upper_cache_bytes| {
+        std::sync::Arc::new(GlobalBfc::with_config(HostConfig {
+            arena_size: 64 << 20,
+            min_arena_size: 64 << 20,
+            chunk_capacity: 1 << 12,
+            upper_cache_bytes,
+            ..HostConfig::DEFAULT
+        }))
+    };
+    let l = layout(500_000, 8);
+    let a = with_budget(1 << 20);
+    cache_upper_blocks(&a);
+    let blocks: std::vec::Vec<*mut u8> = (0..3).map(|_| alloc_ok(&a, l)).collect();
+    for &p in &blocks {
+        assert_eq!(a.usable_size(p), Some(512 << 10));
+        // SAFETY: each came from `a` with `l` and is freed once.
+        unsafe { a.dealloc(p, l) };
+        assert!(a.bound_cache(|tc| tc.medium_bytes(true)).unwrap() <= 1 << 20);
+        assert_eq!(a.check(), Ok(()));
+    }
+    assert_eq!(a.bound_cache(|tc| tc.medium_bytes(true)), Some(1 << 20));
+    a.flush_thread_cache();
+    assert_eq!(a.stats().bytes_in_use, 0);
+    // (Dropped, so that this thread's cache may bind to the next instance.)
+    drop(a);
+
+    let off = with_budget(0);
+    let small = cache_upper_blocks(&off);
+    assert!(!caches_upper(&off));
+    let p = while_the_lock_is_held(&off, || alloc_ok(&off, l));
+    assert!(!caches_upper(&off));
+    assert_eq!(off.usable_size(p), Some(500_000));
+    // SAFETY: `p` came from `off` with `l` and is freed once.
+    unsafe { off.dealloc(p, l) };
+    assert_eq!(
+        (off.thread_cache_bytes(), off.usable_size(p)),
+        (small, None)
+    );
+    assert_eq!(off.check(), Ok(()));
 }
 
 /// A cached upper-class block freed again on the same thread is caught at the second free.
