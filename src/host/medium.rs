@@ -38,7 +38,8 @@
 //! (80 KiB to 1 MiB, four per power of two): a miss takes a block of the class size from the
 //! engine (on the 64 KiB grid, noted in the table), a free joins its class's stack while the
 //! thread's budget (`HostConfig::upper_cache_bytes`, by default and at most [`UPPER_BUDGET`],
-//! 8 MiB of upper-class blocks; [`MEDIUM_BIN`] per class) has room (a budget of 0 turns the upper
+//! 8 MiB of upper-class blocks; [`MEDIUM_BIN`] per class) has room (a class larger than the
+//! budget is neither rounded nor cached, and a budget below 80 KiB, 0 say, turns the upper
 //! classes off: no thread starts caching),
 //! and a request takes a cached block of its class or of the next two up (at most 1.75 times its
 //! size, a request of 64 KiB + 1 byte served by a 112 KiB block; the pages past what the caller
@@ -48,7 +49,7 @@
 //! that never meets contention (every single-threaded program) never rounds or caches these
 //! blocks; `alloc_zeroed` never takes them from a cache. Blocks in other threads' caches are out
 //! of reach of an allocation that runs out of room (as small and medium ones are), and there can
-//! be up to 8 MiB of them per such thread. bench-peers, 2 threads, six interleaved pairs against
+//! be up to 8 MiB (by default) of them per such thread. bench-peers, 2 threads, six interleaved pairs against
 //! the build before (ns per step and thread, peak RSS): `large2` (first byte written) 321-364 ->
 //! 63-249 ns (median 85; mimalloc with THP off 154-234), 4.0-4.2 -> 4.6-5.2 MiB; `large2w`
 //! (every page written) 1,440-2,000 -> 920-1,510 ns, 25.2-25.8 -> 40.1-43.8 MiB (glibc 24-25,
@@ -109,6 +110,8 @@ pub(crate) const UPPER_MAX: usize = 1 << 20;
 /// Most bytes of upper-class blocks one thread's cache holds (the default and the largest
 /// [`HostConfig::upper_cache_bytes`](super::HostConfig::upper_cache_bytes)).
 pub(crate) const UPPER_BUDGET: usize = 8 << 20;
+// `HostConfig::validate` (built without `std` too) spells the bound out.
+static_assertions::const_assert!(UPPER_BUDGET == super::HostConfig::DEFAULT.upper_cache_bytes);
 
 /// The class sizes, in KiB: the medium classes up to [`MEDIUM_MAX`], then the upper ones up to
 /// [`UPPER_MAX`].

@@ -217,10 +217,11 @@ pub struct HostConfig {
     /// Per-thread caches of small blocks (`std` builds; default on). See the module docs.
     pub thread_cache: bool,
     /// Most bytes of upper-class blocks (above 64 KiB, at most 1 MiB) one thread's cache holds,
-    /// once the thread's requests of such sizes have found the heap lock held (`std` builds;
-    /// default and most 8 MiB, [`MAX_CACHED_BYTES`] counts it). 0 turns the upper classes off:
-    /// those requests then always take a block of their own size under the lock. See
-    /// `medium.rs` (upper classes).
+    /// once the thread's requests of such sizes have found the heap lock held (`std` builds with
+    /// thread caches; by default and at most 8 MiB, the amount `MAX_CACHED_BYTES` counts). A
+    /// request whose class is larger than this is not rounded or cached; below the smallest upper
+    /// class, 80 KiB (0, say), the upper classes are off: those requests always take a block of
+    /// their own size under the lock. See `medium.rs` (upper classes).
     pub upper_cache_bytes: usize,
 }
 
@@ -2270,7 +2271,7 @@ impl GlobalBfc {
         else {
             return ptr::null_mut();
         };
-        if contended && upper.is_some() {
+        if contended && upper.is_some() && self.upper_classes_on() {
             self.upper_contended();
         }
         p
@@ -2303,12 +2304,20 @@ impl GlobalBfc {
             h.contended
         }) {
             Some(contended) => {
-                if contended && upper.is_some() {
+                if contended && upper.is_some() && self.upper_classes_on() {
                     self.upper_contended();
                 }
             }
             None => never_initialised(ptr),
         }
+    }
+
+    /// Whether threads of this allocator may cache upper-class blocks: its budget holds at least a
+    /// block of the smallest upper class.
+    #[cfg(feature = "std")]
+    #[inline(always)]
+    fn upper_classes_on(&self) -> bool {
+        self.config.upper_cache_bytes >= medium::class_size(medium::NUM_LOWER)
     }
 
     /// An upper-class request that does not cache found the lock contended: the calling thread
@@ -2337,7 +2346,8 @@ impl GlobalBfc {
     fn alloc_upper_slow(&self, m: usize, size: usize, align: usize) -> *mut u8 {
         self.alloc_with_cache(size, align, |h, tc| {
             tc.note_lock(h.contended);
-            if !tc.caches_upper() {
+            // (A class the budget cannot hold is not rounded: its block could never be cached.)
+            if !tc.caches_upper() || medium::class_size(m) > tc.upper_budget.get() {
                 return h.allocate(size, align);
             }
             let p = h.allocate_medium(m, size, align);

@@ -32,7 +32,8 @@
 //! **Medium blocks** (engine blocks of a medium class, 20 to 64 KiB: see `medium.rs`) have stacks
 //! of their own, of [`MEDIUM_BIN`] (8) blocks per class and at most [`MEDIUM_BUDGET`] (768 KiB) in
 //! all. So do the upper classes (80 KiB to 1 MiB), in a thread that meets contention on the heap
-//! lock ([`ThreadCache::caches_upper`]), with a budget of their own, [`UPPER_BUDGET`] (8 MiB). So a
+//! lock ([`ThreadCache::caches_upper`]), with a budget of their own, `HostConfig::upper_cache_bytes`
+//! (by default and at most [`UPPER_BUDGET`], 8 MiB). So a
 //! thread caches at most [`MAX_CACHED_BYTES`] (10,159 KiB: 1,199 KiB small, 768 KiB medium, 8 MiB
 //! upper; 1,967 KiB in a thread that never met contention). A medium
 //! allocation that neither its class's stack nor the next class's can serve takes one block from
@@ -512,14 +513,17 @@ impl ThreadCache {
     }
 
     /// Notes whether a lock operation of an upper-class request found the heap lock held (owner
-    /// thread only). With no upper budget (the upper classes off) the thread never starts caching.
+    /// thread only). With an upper budget below the smallest upper class (0: the upper classes
+    /// off) the thread never starts caching.
     #[inline]
     pub(crate) fn note_lock(&self, contended: bool) {
-        self.heat.set(if contended && self.upper_budget.get() > 0 {
-            CONTENDED_HEAT
-        } else {
-            self.heat.get().saturating_sub(1)
-        });
+        self.heat.set(
+            if contended && self.upper_budget.get() >= medium::class_size(NUM_LOWER) {
+                CONTENDED_HEAT
+            } else {
+                self.heat.get().saturating_sub(1)
+            },
+        );
     }
 
     /// Pushes a medium block the caller frees with a layout of medium class `m` (owner thread

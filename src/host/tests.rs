@@ -2862,6 +2862,30 @@ fn the_upper_budget_is_configurable() {
     // (Dropped, so that this thread's cache may bind to the next instance.)
     drop(a);
 
+    // A budget of 512 KiB: a 900,000-byte request (1 MiB class) is not rounded; a 400,000-byte
+    // one (448 KiB class) is, and its block is cached.
+    let half = with_budget(512 << 10);
+    let small = cache_upper_blocks(&half);
+    let big = alloc_ok(&half, layout(900_000, 8));
+    assert_eq!(half.usable_size(big), Some(900_000));
+    let fits = alloc_ok(&half, layout(400_000, 8));
+    assert_eq!(half.usable_size(fits), Some(448 << 10));
+    // SAFETY: each came from `half` with its layout and is freed once.
+    unsafe {
+        half.dealloc(big, layout(900_000, 8));
+        half.dealloc(fits, layout(400_000, 8));
+    }
+    assert_eq!(half.thread_cache_bytes(), small + (448 << 10));
+    assert_eq!(half.usable_size(big), None);
+    half.flush_thread_cache();
+    drop(half);
+
+    // Below the smallest upper class (80 KiB), caching never starts.
+    let tiny = with_budget(64 << 10);
+    cache_upper_blocks(&tiny);
+    assert!(!caches_upper(&tiny));
+    drop(tiny);
+
     let off = with_budget(0);
     let small = cache_upper_blocks(&off);
     assert!(!caches_upper(&off));
