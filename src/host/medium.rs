@@ -159,6 +159,13 @@ pub(crate) fn class_for(size: usize, align: usize) -> Option<usize> {
     Some(CLASS_OF[(size - 1) >> 12] as usize)
 }
 
+/// Whether a per-thread budget of `budget` bytes turns the upper classes on: it holds a block of
+/// the smallest upper class (80 KiB).
+#[inline(always)]
+pub(crate) const fn upper_classes_on(budget: usize) -> bool {
+    budget >= class_size(NUM_LOWER)
+}
+
 /// The upper class of a request above [`MEDIUM_MAX`] and at most [`UPPER_MAX`], aligned to at
 /// most [`MEDIUM_ALIGN`]; `None` for any other.
 #[inline(always)]

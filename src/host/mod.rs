@@ -2251,28 +2251,21 @@ impl GlobalBfc {
     #[cfg(feature = "std")]
     #[inline(never)]
     fn alloc_beyond_medium(size: usize, align: usize, this: &Self) -> *mut u8 {
-        this.alloc_above_medium(size, align)
-    }
-
-    /// [`GlobalBfc::alloc_beyond_medium`]'s body.
-    #[cfg(feature = "std")]
-    #[inline(always)]
-    fn alloc_above_medium(&self, size: usize, align: usize) -> *mut u8 {
         let upper = medium::upper_class_for(size, align);
         if let Some(m) = upper {
             // A thread that stopped caching them takes what is cached all the same.
-            match self.bound_cache(|tc| tc.pop_upper_for(m)) {
+            match this.bound_cache(|tc| tc.pop_upper_for(m)) {
                 Some(Ok(p)) => return p as *mut u8,
-                Some(Err(true)) => return self.alloc_upper_slow(m, size, align),
+                Some(Err(true)) => return this.alloc_upper_slow(m, size, align),
                 _ => {}
             }
         }
-        let Some((p, contended)) = self.with_heap(|h| (h.allocate(size, align), h.contended))
+        let Some((p, contended)) = this.with_heap(|h| (h.allocate(size, align), h.contended))
         else {
             return ptr::null_mut();
         };
-        if contended && upper.is_some() && self.upper_classes_on() {
-            self.upper_contended();
+        if contended && upper.is_some() {
+            this.upper_contended();
         }
         p
     }
@@ -2284,50 +2277,38 @@ impl GlobalBfc {
     #[cfg(feature = "std")]
     #[inline(never)]
     fn free_beyond_medium(ptr: *mut u8, size: usize, align: usize, this: &Self) {
-        this.free_above_medium(ptr, size, align)
-    }
-
-    /// [`GlobalBfc::free_beyond_medium`]'s body.
-    #[cfg(feature = "std")]
-    #[inline(always)]
-    fn free_above_medium(&self, ptr: *mut u8, size: usize, align: usize) {
         let upper = medium::upper_class_for(size, align);
         if let Some(m) = upper {
-            match self.bound_cache(|tc| tc.caches_upper().then(|| tc.push_upper(m, ptr as usize))) {
+            match this.bound_cache(|tc| tc.caches_upper().then(|| tc.push_upper(m, ptr as usize))) {
                 Some(Some(true)) => return,
-                Some(Some(false)) => return self.free_upper_slow(ptr, m),
+                Some(Some(false)) => return this.free_upper_slow(ptr, m),
                 _ => {}
             }
         }
-        match self.with_heap(|h| {
+        match this.with_heap(|h| {
             h.free(ptr);
             h.contended
         }) {
             Some(contended) => {
-                if contended && upper.is_some() && self.upper_classes_on() {
-                    self.upper_contended();
+                if contended && upper.is_some() {
+                    this.upper_contended();
                 }
             }
             None => never_initialised(ptr),
         }
     }
 
-    /// Whether threads of this allocator may cache upper-class blocks: its budget holds at least a
-    /// block of the smallest upper class.
-    #[cfg(feature = "std")]
-    #[inline(always)]
-    fn upper_classes_on(&self) -> bool {
-        self.config.upper_cache_bytes >= medium::class_size(medium::NUM_LOWER)
-    }
-
     /// An upper-class request that does not cache found the lock contended: the calling thread
-    /// caches upper-class blocks from now on, if its cache serves this allocator (bound first if
-    /// it is free to bind: a thread that makes only upper-class requests has not bound it yet).
-    /// The lock is not held here (binding takes it).
+    /// caches upper-class blocks from now on, if the upper classes are on and its cache serves
+    /// this allocator (bound first if it is free to bind: a thread that makes only upper-class
+    /// requests has not bound it yet). The lock is not held here (binding takes it).
     #[cfg(feature = "std")]
     #[cold]
     #[inline(never)]
     fn upper_contended(&self) {
+        if !medium::upper_classes_on(self.config.upper_cache_bytes) {
+            return;
+        }
         let id = self.id.load(core::sync::atomic::Ordering::Relaxed);
         tcache::with(|tc| {
             if tc.owner.get() == id || self.with_bound_cache(tc, |_| ()).is_some() {

@@ -475,7 +475,7 @@ impl ThreadCache {
         }
         let p = self.medium_slot(m, n - 1).get();
         self.set_medium_count(m, n - 1);
-        let bytes = &self.medium_bytes[UPPER as usize];
+        let bytes = self.bytes_cell(UPPER);
         bytes.set(bytes.get() - medium::class_size(m));
         Some(p)
     }
@@ -483,26 +483,39 @@ impl ThreadCache {
     /// Whether a block of medium class `m` fits the medium stacks' byte budget.
     #[inline(always)]
     pub(crate) fn medium_room(&self, m: usize) -> bool {
-        let (bytes, budget) = if m < NUM_LOWER {
-            (&self.medium_bytes[0], MEDIUM_BUDGET)
+        self.room(m >= NUM_LOWER, m)
+    }
+
+    /// Whether a block of class `m` fits its budget: the upper classes' if `upper`, else the
+    /// medium classes'.
+    #[inline(always)]
+    fn room(&self, upper: bool, m: usize) -> bool {
+        let budget = if upper {
+            self.upper_budget.get()
         } else {
-            (&self.medium_bytes[1], self.upper_budget.get())
+            MEDIUM_BUDGET
         };
-        bytes.get() + medium::class_size(m) <= budget
+        self.bytes_cell(upper).get() + medium::class_size(m) <= budget
+    }
+
+    /// The byte count of the upper classes' budget if `upper`, else of the medium classes'.
+    #[inline(always)]
+    fn bytes_cell(&self, upper: bool) -> &Cell<usize> {
+        &self.medium_bytes[upper as usize]
     }
 
     /// Adds `delta` (wrapping: a negative amount as its two's complement) to the byte count of
     /// class `m`'s budget.
     #[inline(always)]
     fn add_bytes(&self, m: usize, delta: usize) {
-        let bytes = &self.medium_bytes[(m >= NUM_LOWER) as usize];
+        let bytes = self.bytes_cell(m >= NUM_LOWER);
         bytes.set(bytes.get().wrapping_add(delta));
     }
 
     /// Bytes of the upper classes' blocks if `upper`, else of the medium classes' (owner thread
     /// only).
     pub(crate) fn medium_bytes(&self, upper: bool) -> usize {
-        self.medium_bytes[upper as usize].get()
+        self.bytes_cell(upper).get()
     }
 
     /// Whether the thread caches upper-class blocks now: an upper-class request's lock operation
@@ -518,7 +531,7 @@ impl ThreadCache {
     #[inline]
     pub(crate) fn note_lock(&self, contended: bool) {
         self.heat.set(
-            if contended && self.upper_budget.get() >= medium::class_size(NUM_LOWER) {
+            if contended && medium::upper_classes_on(self.upper_budget.get()) {
                 CONTENDED_HEAT
             } else {
                 self.heat.get().saturating_sub(1)
@@ -548,22 +561,17 @@ impl ThreadCache {
         let Some(k) = self.medium_class(m, p) else {
             return false;
         };
-        let budget = if UPPER {
-            self.upper_budget.get()
-        } else {
-            MEDIUM_BUDGET
-        };
-        let bytes = &self.medium_bytes[UPPER as usize];
         let n = self.medium_count(k);
         if (k >= NUM_LOWER) != UPPER
             || n >= MEDIUM_BIN
-            || bytes.get() + medium::class_size(k) > budget
+            || !self.room(UPPER, k)
             || (n > 0 && self.medium_slot(k, n - 1).get() == p)
         {
             return false;
         }
         self.medium_slot(k, n).set(p);
         self.set_medium_count(k, n + 1);
+        let bytes = self.bytes_cell(UPPER);
         bytes.set(bytes.get() + medium::class_size(k));
         true
     }
@@ -611,7 +619,7 @@ impl ThreadCache {
     /// upper-class blocks now (owner thread only).
     #[inline(always)]
     pub(crate) fn pop_upper_for(&self, m: usize) -> Result<usize, bool> {
-        if self.medium_bytes[1].get() != 0 {
+        if self.bytes_cell(true).get() != 0 {
             for k in m..(m + 3).min(NUM_MEDIUM) {
                 if let Some(p) = self.pop_in::<true>(k) {
                     return Ok(p);
@@ -711,8 +719,8 @@ impl ThreadCache {
         for m in 0..NUM_MEDIUM {
             self.set_medium_count(m, 0);
         }
-        self.medium_bytes[0].set(0);
-        self.medium_bytes[1].set(0);
+        self.bytes_cell(false).set(0);
+        self.bytes_cell(true).set(0);
         self.heat.set(0);
         self.upper_budget.set(0);
         self.events.set(0);

@@ -2544,6 +2544,18 @@ fn cache_upper_blocks(a: &GlobalBfc) -> usize {
     a.thread_cache_bytes()
 }
 
+/// Ends the calling thread's caching of upper-class blocks (its cache is bound to `a`), as
+/// `CONTENDED_HEAT` upper-class lock operations in a row that found the lock free do; after
+/// `left` fewer of them, one more ends it.
+fn stop_caching_upper(a: &GlobalBfc, left: u32) {
+    a.bound_cache(|tc| {
+        for _ in left..tcache::CONTENDED_HEAT {
+            tc.note_lock(false);
+        }
+    })
+    .unwrap();
+}
+
 /// Whether the calling thread's cache (bound to `a`) caches upper-class blocks now.
 fn caches_upper(a: &GlobalBfc) -> bool {
     a.bound_cache(|tc| tc.caches_upper()).unwrap()
@@ -2597,13 +2609,8 @@ fn upper_blocks_are_cached_only_after_contention() {
 
     // One lock operation left: an upper-class miss that finds the lock free ends the caching, and
     // its block has the request's size.
-    a.bound_cache(|tc| {
-        tc.note_lock(true);
-        for _ in 1..tcache::CONTENDED_HEAT {
-            tc.note_lock(false);
-        }
-    })
-    .unwrap();
+    a.bound_cache(|tc| tc.note_lock(true)).unwrap();
+    stop_caching_upper(&a, 1);
     assert!(caches_upper(&a));
     let e = alloc_ok(&a, l);
     assert!(!caches_upper(&a));
@@ -2667,15 +2674,7 @@ fn an_upper_request_that_waits_for_the_lock_starts_the_caching() {
     .unwrap();
 
     cache_upper_blocks(&a);
-    let stop_caching = || {
-        a.bound_cache(|tc| {
-            for _ in 0..tcache::CONTENDED_HEAT {
-                tc.note_lock(false);
-            }
-        })
-        .unwrap()
-    };
-    stop_caching();
+    stop_caching_upper(&a, 0);
     assert!(!caches_upper(&a));
     let p = alloc_ok(&a, l);
     // SAFETY: `p` came from `a` with `l` and is freed once.
@@ -2699,7 +2698,7 @@ fn an_upper_request_that_waits_for_the_lock_starts_the_caching() {
     assert_eq!(a.usable_size(q), None);
     // A free that waits.
     a.flush_thread_cache();
-    stop_caching();
+    stop_caching_upper(&a, 0);
     let s = alloc_ok(&a, l);
     // SAFETY: `s` came from `a` with `l` and is freed once.
     while_the_lock_is_held(&a, || unsafe { a.dealloc(s, l) });
@@ -2718,12 +2717,7 @@ fn an_upper_block_freed_with_a_medium_layout_is_not_cached() {
     let small = cache_upper_blocks(&a);
     let p = alloc_ok(&a, layout(200_000, 8));
     assert_eq!(a.usable_size(p), Some(224 << 10));
-    a.bound_cache(|tc| {
-        for _ in 0..tcache::CONTENDED_HEAT {
-            tc.note_lock(false);
-        }
-    })
-    .unwrap();
+    stop_caching_upper(&a, 0);
     // SAFETY: `p` came from `a`; the layout is the wrong one under test (a medium class's).
     unsafe { a.dealloc(p, layout(60_000, 8)) };
     assert_eq!(a.thread_cache_bytes(), small);
