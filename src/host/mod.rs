@@ -408,7 +408,8 @@ struct CacheLine<T>(T);
 
 /// Source of heap ids (never reused, unlike addresses).
 #[cfg(feature = "std")]
-static NEXT_ID: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(1);
+static NEXT_ID: core::sync::atomic::AtomicUsize =
+    core::sync::atomic::AtomicUsize::new(tcache::DEAD + 1);
 
 /// Arena bytes per pointer-map entry (the engine's `map_block_granules` times the granule, which is
 /// at most 4 KiB). The engine's default, 32 granules (512 bytes), suits chunks of a few granules.
@@ -559,7 +560,8 @@ impl Drop for AbortOnUnwind {
 #[repr(C)]
 pub struct GlobalBfc {
     config: HostConfig,
-    /// The heap's id once initialised (0 before): read by every small allocation and free, so it
+    /// The heap's id once initialised ([`tcache::NO_ID`] before): read by every small allocation
+    /// and free, so it
     /// shares a cache line with the read-only config and not with the lock.
     #[cfg(feature = "std")]
     id: core::sync::atomic::AtomicUsize,
@@ -596,7 +598,7 @@ impl GlobalBfc {
             GlobalBfc {
                 config,
                 #[cfg(feature = "std")]
-                id: core::sync::atomic::AtomicUsize::new(0),
+                id: core::sync::atomic::AtomicUsize::new(tcache::NO_ID),
                 anchor: crate::sync::AtomicPtr::new(ptr::null_mut()),
                 state: CacheLine(SpinLock::with_reentry_handler(State::Uninit, reentered)),
                 failed: crate::sync::AtomicBool::new(false),

@@ -91,12 +91,17 @@ use core::sync::atomic::{AtomicU32, Ordering as CountOrdering};
 /// path, or miss a bad free as the check did before), so it is not modelled either.
 use core::sync::atomic::{AtomicU8, Ordering::Relaxed};
 
-/// `owner` before the cache binds to an instance.
-pub(crate) const UNBOUND: usize = usize::MAX;
+/// `owner` before the cache binds to an instance. It is 0, like every other field of a new cache,
+/// so the thread-local's initial value is all zeros: it lives in `.tbss`, not as a 16 KiB image in
+/// the binary's `.tdata` that every process maps and copies into each thread's block.
+pub(crate) const UNBOUND: usize = 0;
 /// `owner` while binding (the exit hook's registration may allocate; those calls take the lock).
-pub(crate) const BINDING: usize = usize::MAX - 1;
+pub(crate) const BINDING: usize = 1;
 /// `owner` once the thread's exit flush ran: the cache is never used again.
-pub(crate) const DEAD: usize = usize::MAX - 2;
+pub(crate) const DEAD: usize = 2;
+/// The id an instance reads before it has one: no cache's `owner` (instance ids start above
+/// [`DEAD`] and never reach it).
+pub(crate) const NO_ID: usize = usize::MAX;
 
 /// Target bytes of blocks in one class's stack.
 const BIN_BYTES: usize = 16 << 10;
@@ -310,7 +315,7 @@ impl ThreadCache {
     /// Whether `owner` names an instance (not one of the sentinels).
     #[inline]
     pub(crate) fn is_bound(&self) -> bool {
-        self.owner.get() < DEAD
+        self.owner.get() > DEAD
     }
 
     /// Blocks on class `c`'s stack (any thread).
@@ -941,6 +946,31 @@ mod tests {
         // The figures the module docs and the README quote.
         assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 1199 + 768 + 8192);
         assert_eq!((CACHE_SLOTS * 8).div_ceil(1024), 15);
+    }
+
+    /// The cache's thread-local starts all zeros, so it takes no room in the binary: the test
+    /// binary's TLS segment (`PT_TLS`) has a file image far smaller than one cache.
+    #[test]
+    #[cfg(all(target_os = "linux", target_pointer_width = "64", target_endian = "little"))]
+    #[cfg_attr(miri, ignore = "reads /proc")]
+    fn the_cache_thread_local_has_no_initial_image() {
+        let exe = std::fs::read("/proc/self/exe").unwrap();
+        let u16_at = |at: usize| u16::from_le_bytes(exe[at..at + 2].try_into().unwrap()) as usize;
+        let u64_at = |at: usize| u64::from_le_bytes(exe[at..at + 8].try_into().unwrap()) as usize;
+        assert_eq!(&exe[..5], b"\x7fELF\x02", "a 64-bit ELF file");
+        let (phoff, phentsize, phnum) = (u64_at(0x20), u16_at(0x36), u16_at(0x38));
+        const PT_TLS: u32 = 7;
+        let tls = (0..phnum)
+            .map(|i| phoff + i * phentsize)
+            .find(|&h| u32::from_le_bytes(exe[h..h + 4].try_into().unwrap()) == PT_TLS)
+            .expect("a TLS segment");
+        let (file_size, mem_size) = (u64_at(tls + 0x20), u64_at(tls + 0x28));
+        let cache = core::mem::size_of::<ThreadCache>();
+        assert!(mem_size >= cache, "{mem_size} bytes of TLS, a cache takes {cache}");
+        assert!(
+            file_size < cache / 4,
+            "{file_size} bytes of initial TLS image: is a field of a new cache not zero?"
+        );
     }
 
     #[test]
