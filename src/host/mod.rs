@@ -2088,10 +2088,7 @@ unsafe impl GlobalAlloc for GlobalBfc {
         }
         #[cfg(feature = "std")]
         if let Some(m) = medium::class_for(layout.size(), layout.align()) {
-            if self.bound_cache(|tc| tc.push_medium(m, ptr as usize)) != Some(true) {
-                self.free_medium_slow(ptr, m);
-            }
-            return;
+            return Self::free_medium(ptr, m, self);
         }
         let _ = layout;
         self.free_locked(ptr);
@@ -2270,6 +2267,18 @@ impl GlobalBfc {
             this.upper_contended();
         }
         p
+    }
+
+    /// The free of a block of medium class `m`: into the thread's cache if it vouches for the
+    /// block and has room, else under the lock.
+    // Out of line: inlined, its checks need one more register than the small path's, which
+    // `dealloc` then saves and restores on every small free too.
+    #[cfg(feature = "std")]
+    #[inline(never)]
+    fn free_medium(ptr: *mut u8, m: usize, this: &Self) {
+        if this.bound_cache(|tc| tc.push_medium(m, ptr as usize)) != Some(true) {
+            this.free_medium_slow(ptr, m);
+        }
     }
 
     /// A free above [`medium::MEDIUM_MAX`]: an upper-class one into the thread's cache if it caches

@@ -120,9 +120,8 @@ pub(crate) fn class_for(size: usize, align: usize) -> Option<usize> {
         cold_path();
         return None;
     }
-    // Both ways end in one load from `CLASS_OF`, whose entries the compiler sees are all classes:
-    // so it drops the bounds checks on the class in the fast paths (no panic path there).
-    // (`(size + 15) >> 4` rather than `div_ceil`, whose bound the compiler loses here.)
+    // Both ways end in one load from `CLASS_OF`. (`(size + 15) >> 4` rather than `div_ceil`,
+    // whose bound the compiler loses here.)
     let units = if align <= 16 {
         (size + 15) >> 4
     } else if align <= SMALL_ALIGN {
@@ -132,8 +131,28 @@ pub(crate) fn class_for(size: usize, align: usize) -> Option<usize> {
         cold_path();
         return None;
     };
-    Some(CLASS_OF[units] as usize)
+    Some(class_of(units))
 }
+
+/// `CLASS_OF[units]`, which the compiler is told is a class: so it drops the bounds checks on the
+/// class in the fast paths (no panic path there, and no saved register for one).
+#[inline(always)]
+fn class_of(units: usize) -> usize {
+    let c = CLASS_OF[units] as usize;
+    // SAFETY: every entry of `CLASS_OF` is a class (`CLASS_OF_IN_RANGE`).
+    unsafe { core::hint::assert_unchecked(c < NUM_CLASSES) };
+    c
+}
+
+/// Every entry of [`CLASS_OF`] is a class, which [`class_for`] tells the compiler.
+const CLASS_OF_IN_RANGE: bool = {
+    let mut i = 0;
+    while i < CLASS_OF.len() && (CLASS_OF[i] as usize) < NUM_CLASSES {
+        i += 1;
+    }
+    i == CLASS_OF.len()
+};
+static_assertions::const_assert!(CLASS_OF_IN_RANGE);
 
 /// Marks the branch that calls it as unlikely (`core::hint::cold_path`, which is stable only since
 /// Rust 1.95: a call to a cold function has the same effect on the layout).
@@ -144,10 +163,10 @@ fn cold_path() {}
 /// The size in 16-byte units of [`class_for`]'s class for a request of at most [`SMALL_MAX`] bytes
 /// aligned to a power of two in `32..=SMALL_ALIGN`. (The mask and the `min` change nothing for such
 /// a request; they show the compiler that the indices are in bounds.)
-#[inline]
+#[inline(always)]
 fn aligned_units(size: usize, align: usize) -> usize {
     let row = (align.trailing_zeros() as usize).wrapping_sub(5) & (ALIGN_ROWS - 1);
-    let c = CLASS_OF[(size + 15) >> 4] as usize;
+    let c = class_of((size + 15) >> 4);
     (ALIGNED[row][c] as usize).min(SMALL_MAX / 16)
 }
 

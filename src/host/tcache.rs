@@ -951,7 +951,11 @@ mod tests {
     /// The cache's thread-local starts all zeros, so it takes no room in the binary: the test
     /// binary's TLS segment (`PT_TLS`) has a file image far smaller than one cache.
     #[test]
-    #[cfg(all(target_os = "linux", target_pointer_width = "64", target_endian = "little"))]
+    #[cfg(all(
+        target_os = "linux",
+        target_pointer_width = "64",
+        target_endian = "little"
+    ))]
     #[cfg_attr(miri, ignore = "reads /proc")]
     fn the_cache_thread_local_has_no_initial_image() {
         let exe = std::fs::read("/proc/self/exe").unwrap();
@@ -966,7 +970,10 @@ mod tests {
             .expect("a TLS segment");
         let (file_size, mem_size) = (u64_at(tls + 0x20), u64_at(tls + 0x28));
         let cache = core::mem::size_of::<ThreadCache>();
-        assert!(mem_size >= cache, "{mem_size} bytes of TLS, a cache takes {cache}");
+        assert!(
+            mem_size >= cache,
+            "{mem_size} bytes of TLS, a cache takes {cache}"
+        );
         assert!(
             file_size < cache / 4,
             "{file_size} bytes of initial TLS image: is a field of a new cache not zero?"
@@ -976,7 +983,7 @@ mod tests {
     #[test]
     fn a_decay_period_names_the_classes_without_slow_events() {
         let tc = ThreadCache::new();
-        let all = (1u64 << ACTIVE_BITS) - 1;
+        let all = u64::MAX >> (64 - ACTIVE_BITS);
         for period in 0..3 {
             // Classes 2 and the last are used, once and twice; the rest idle.
             let last = NUM_CLASSES - 1;
