@@ -561,8 +561,7 @@ impl Drop for AbortOnUnwind {
 pub struct GlobalBfc {
     config: HostConfig,
     /// The heap's id once initialised ([`tcache::NO_ID`] before): read by every small allocation
-    /// and free, so it
-    /// shares a cache line with the read-only config and not with the lock.
+    /// and free, so it shares a cache line with the read-only config and not with the lock.
     #[cfg(feature = "std")]
     id: core::sync::atomic::AtomicUsize,
     /// The heap once initialised (null before, or if the arena could not be reserved).
@@ -1077,6 +1076,14 @@ impl Heap {
         // The heap's process-unique id (0 without `std`, which has no thread caches).
         #[cfg(feature = "std")]
         let id = NEXT_ID.fetch_add(1, core::sync::atomic::Ordering::Relaxed);
+        // (Only a 32-bit target could initialise this many heaps: an id must never wrap around
+        // onto a cache's sentinels or equal the uninitialised `NO_ID`.)
+        #[cfg(feature = "std")]
+        if id <= tcache::DEAD || id == tcache::NO_ID {
+            os::fatal(format_args!(
+                "heap ids exhausted ({id}): too many heaps initialised"
+            ));
+        }
         #[cfg(not(feature = "std"))]
         let id = 0;
         let anchor = meta_mapping

@@ -144,7 +144,7 @@ fn class_of(units: usize) -> usize {
     c
 }
 
-/// Every entry of [`CLASS_OF`] is a class, which [`class_for`] tells the compiler.
+/// Every entry of [`CLASS_OF`] is a class, which [`class_of`] tells the compiler.
 const CLASS_OF_IN_RANGE: bool = {
     let mut i = 0;
     while i < CLASS_OF.len() && (CLASS_OF[i] as usize) < NUM_CLASSES {
