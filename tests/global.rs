@@ -1078,3 +1078,57 @@ fn usable_size_of_freed_blocks() {
     .join()
     .unwrap();
 }
+
+/// The small fast paths save no register and call nothing (every slow path is a tail jump), so the
+/// entry points of allocation and free hold no `push` and no `call` at all: no stack frame, and no
+/// panic path (until 9ba1e7f a bounds check on the size class, never taken, called
+/// `panic_bounds_check`, which made both save registers on entry). Release builds on x86-64 only
+/// (a debug build keeps every check); skipped, with the reason printed, without `objdump`.
+#[test]
+#[cfg(all(not(debug_assertions), target_arch = "x86_64", target_os = "linux"))]
+fn allocation_and_free_entry_points_save_no_register_and_call_nothing() {
+    let exe = std::env::current_exe().unwrap();
+    let out = match Command::new("objdump")
+        .args(["-d", "--no-show-raw-insn"])
+        .arg(&exe)
+        .output()
+    {
+        Ok(o) if o.status.success() => o.stdout,
+        other => {
+            println!("skipped: no usable objdump ({other:?})");
+            return;
+        }
+    };
+    let text = String::from_utf8_lossy(&out);
+    for name in ["__rust_alloc", "__rust_dealloc"] {
+        // The entry point's symbol, as objdump prints it without demangling: `__rust_alloc`, or
+        // its v0 name `_RNv..._7___rustc12___rust_alloc` (`__rustc::__rust_alloc`).
+        let header = [format!("{}_{name}>:", name.len()), format!("<{name}>:")];
+        let body: Vec<&str> = text
+            .lines()
+            .skip_while(|l| !header.iter().any(|h| l.ends_with(h.as_str())))
+            .skip(1)
+            .take_while(|l| !l.trim().is_empty())
+            .collect();
+        assert!(!body.is_empty(), "{name} not found in the disassembly");
+        // The fast path is in the entry point itself, not behind a jump to `GlobalBfc`'s method.
+        assert!(
+            body.len() > 16,
+            "{name} holds {} instructions, not the fast path:\n{}",
+            body.len(),
+            body.join("\n")
+        );
+        let mnemonic = |l: &&str| l.split('\t').nth(1).unwrap_or("").to_owned();
+        let bad: Vec<&str> = body
+            .iter()
+            .filter(|l| ["call", "push"].iter().any(|m| mnemonic(l).starts_with(m)))
+            .copied()
+            .collect();
+        assert!(
+            bad.is_empty(),
+            "{name} ({} instructions) saves registers or calls:\n{}",
+            body.len(),
+            bad.join("\n")
+        );
+    }
+}

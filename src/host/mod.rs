@@ -1983,7 +1983,11 @@ impl Drop for GlobalBfc {
 // cache's exit flush, made while the cache is marked `BINDING`: an allocation it makes takes the
 // locked path (and so never reaches the half-bound cache), and never re-enters with the lock held.
 unsafe impl GlobalAlloc for GlobalBfc {
-    #[inline]
+    // Always inlined, so that the fast paths sit in the entry points (`__rust_alloc`,
+    // `__rust_dealloc`) whatever codegen unit they land in: merely `#[inline]`, some binaries
+    // (this crate's integration tests) reached them through a jump and two moves (a test
+    // disassembles both).
+    #[inline(always)]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         #[cfg(feature = "std")]
         if let Some(c) = small::class_for(layout.size(), layout.align()) {
@@ -2078,7 +2082,8 @@ unsafe impl GlobalAlloc for GlobalBfc {
         p
     }
 
-    #[inline]
+    // Always inlined: see `alloc`.
+    #[inline(always)]
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         #[cfg(feature = "std")]
         if let Some(c) = small::class_for(layout.size(), layout.align()) {
