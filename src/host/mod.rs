@@ -2040,46 +2040,7 @@ unsafe impl GlobalAlloc for GlobalBfc {
                 return p as *mut u8;
             }
         }
-        // `fresh`: the heap's end of touched memory before this allocation. Nothing was ever
-        // written at or above it (or its pages were returned), so that part of the block is zero.
-        let Some((p, page, fresh)) = self.with_heap(|h| {
-            let fresh = h.brk;
-            (h.allocate(layout.size(), layout.align()), h.page, fresh)
-        }) else {
-            return ptr::null_mut();
-        };
-        if p.is_null() {
-            return p;
-        }
-        // Only the block's part below `fresh` may hold old data.
-        let dirty = (p as usize + layout.size())
-            .min(fresh)
-            .saturating_sub(p as usize);
-        let lo = (p as usize).next_multiple_of(page);
-        let hi = (p as usize + dirty) & !(page - 1);
-        let mostly_resident = || {
-            // SAFETY: `lo..hi` is page-aligned inside the arena.
-            unsafe { os::mostly_resident(lo, hi - lo, page) }
-        };
-        if hi > lo
-            && (dirty >= ZERO_BY_DISCARD.max(self.config.release_threshold)
-                || (hi - lo >= ZERO_PROBE_MIN && !mostly_resident()))
-        {
-            // Huge, or mostly not resident (a sparse buffer, or memory a sweep gave back): zero the
-            // whole pages by giving them back (they fault in as zero pages), and write only the
-            // partial pages at the ends.
-            // SAFETY: `lo..hi` is page-aligned inside the block we own; `p..lo` and `hi..p + dirty`
-            // too.
-            unsafe {
-                os::discard_or_zero(lo, hi - lo);
-                ptr::write_bytes(p, 0, lo - p as usize);
-                ptr::write_bytes(hi as *mut u8, 0, p as usize + dirty - hi);
-            }
-        } else {
-            // SAFETY: the block holds at least `layout.size() >= dirty` bytes.
-            unsafe { ptr::write_bytes(p, 0, dirty) };
-        }
-        p
+        self.alloc_zeroed_locked(layout.size(), layout.align())
     }
 
     // Always inlined: see `alloc`.
@@ -2151,6 +2112,53 @@ unsafe impl GlobalAlloc for GlobalBfc {
 }
 
 impl GlobalBfc {
+    /// `alloc_zeroed` of a block no thread cache served: allocated under the lock, and zeroed
+    /// where it may hold old data (see the module docs, "Giving memory back").
+    // Out of line and not generic, so that it is compiled once, in this crate: inlined into
+    // `__rust_alloc_zeroed`, it made the program's crate compile a second copy of the engine's
+    // allocation path.
+    #[inline(never)]
+    fn alloc_zeroed_locked(&self, size: usize, align: usize) -> *mut u8 {
+        // `fresh`: the heap's end of touched memory before this allocation. Nothing was ever
+        // written at or above it (or its pages were returned), so that part of the block is zero.
+        let Some((p, page, fresh)) = self.with_heap(|h| {
+            let fresh = h.brk;
+            (h.allocate(size, align), h.page, fresh)
+        }) else {
+            return ptr::null_mut();
+        };
+        if p.is_null() {
+            return p;
+        }
+        // Only the block's part below `fresh` may hold old data.
+        let dirty = (p as usize + size).min(fresh).saturating_sub(p as usize);
+        let lo = (p as usize).next_multiple_of(page);
+        let hi = (p as usize + dirty) & !(page - 1);
+        let mostly_resident = || {
+            // SAFETY: `lo..hi` is page-aligned inside the arena.
+            unsafe { os::mostly_resident(lo, hi - lo, page) }
+        };
+        if hi > lo
+            && (dirty >= ZERO_BY_DISCARD.max(self.config.release_threshold)
+                || (hi - lo >= ZERO_PROBE_MIN && !mostly_resident()))
+        {
+            // Huge, or mostly not resident (a sparse buffer, or memory a sweep gave back): zero the
+            // whole pages by giving them back (they fault in as zero pages), and write only the
+            // partial pages at the ends.
+            // SAFETY: `lo..hi` is page-aligned inside the block we own; `p..lo` and `hi..p + dirty`
+            // too.
+            unsafe {
+                os::discard_or_zero(lo, hi - lo);
+                ptr::write_bytes(p, 0, lo - p as usize);
+                ptr::write_bytes(hi as *mut u8, 0, p as usize + dirty - hi);
+            }
+        } else {
+            // SAFETY: the block holds at least `size >= dirty` bytes.
+            unsafe { ptr::write_bytes(p, 0, dirty) };
+        }
+        p
+    }
+
     /// `alloc_zeroed` of a small request of class `c` above [`ZERO_FROM_CACHE_MAX`], under the
     /// lock: the slab layer knows which of the object's pages are still zero (never touched, or
     /// given back), and only the rest is written, so a zeroed buffer the caller uses sparsely is
