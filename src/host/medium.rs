@@ -153,7 +153,14 @@ pub(crate) const fn class_size(m: usize) -> usize {
 /// The medium class of a request, or `None` when it is not one (see the module docs).
 #[inline(always)]
 pub(crate) fn class_for(size: usize, align: usize) -> Option<usize> {
-    if size <= SMALL_MAX || size > MEDIUM_MAX || align > MEDIUM_ALIGN {
+    class_above(SMALL_MAX, MEDIUM_MAX, size, align)
+}
+
+/// The class of a request above `low` and at most `high` bytes, aligned to at most
+/// [`MEDIUM_ALIGN`]; `None` for any other.
+#[inline(always)]
+fn class_above(low: usize, high: usize, size: usize, align: usize) -> Option<usize> {
+    if size <= low || size > high || align > MEDIUM_ALIGN {
         return None;
     }
     Some(CLASS_OF[(size - 1) >> 12] as usize)
@@ -170,10 +177,7 @@ pub(crate) const fn upper_classes_on(budget: usize) -> bool {
 /// most [`MEDIUM_ALIGN`]; `None` for any other.
 #[inline(always)]
 pub(crate) fn upper_class_for(size: usize, align: usize) -> Option<usize> {
-    if size <= MEDIUM_MAX || size > UPPER_MAX || align > MEDIUM_ALIGN {
-        return None;
-    }
-    Some(CLASS_OF[(size - 1) >> 12] as usize)
+    class_above(MEDIUM_MAX, UPPER_MAX, size, align)
 }
 
 /// The table entry of a class `m` block starting at `p` (aligned to [`MEDIUM_ALIGN`]): the class

@@ -480,8 +480,7 @@ impl ThreadCache {
         }
         let p = self.medium_slot(m, n - 1).get();
         self.set_medium_count(m, n - 1);
-        let bytes = self.bytes_cell(UPPER);
-        bytes.set(bytes.get() - medium::class_size(m));
+        self.sub_bytes(UPPER, medium::class_size(m));
         Some(p)
     }
 
@@ -509,12 +508,20 @@ impl ThreadCache {
         &self.medium_bytes[upper as usize]
     }
 
-    /// Adds `delta` (wrapping: a negative amount as its two's complement) to the byte count of
-    /// class `m`'s budget.
+    /// Adds `n` to the byte count of the upper classes' budget if `upper`, else the medium
+    /// classes'.
     #[inline(always)]
-    fn add_bytes(&self, m: usize, delta: usize) {
-        let bytes = self.bytes_cell(m >= NUM_LOWER);
-        bytes.set(bytes.get().wrapping_add(delta));
+    fn add_bytes(&self, upper: bool, n: usize) {
+        let bytes = self.bytes_cell(upper);
+        bytes.set(bytes.get() + n);
+    }
+
+    /// Takes `n` from the byte count of the upper classes' budget if `upper`, else the medium
+    /// classes'.
+    #[inline(always)]
+    fn sub_bytes(&self, upper: bool, n: usize) {
+        let bytes = self.bytes_cell(upper);
+        bytes.set(bytes.get() - n);
     }
 
     /// Bytes of the upper classes' blocks if `upper`, else of the medium classes' (owner thread
@@ -576,8 +583,7 @@ impl ThreadCache {
         }
         self.medium_slot(k, n).set(p);
         self.set_medium_count(k, n + 1);
-        let bytes = self.bytes_cell(UPPER);
-        bytes.set(bytes.get() + medium::class_size(k));
+        self.add_bytes(UPPER, medium::class_size(k));
         true
     }
 
@@ -645,7 +651,7 @@ impl ThreadCache {
         }
         self.medium_slot(m, n).set(p);
         self.set_medium_count(m, n + 1);
-        self.add_bytes(m, medium::class_size(m));
+        self.add_bytes(m >= NUM_LOWER, medium::class_size(m));
     }
 
     /// Pops up to `out.len()` blocks of medium class `m` into `out` (owner thread only); returns
@@ -657,7 +663,7 @@ impl ThreadCache {
             *o = self.medium_slot(m, n - 1 - j).get();
         }
         self.set_medium_count(m, n - k);
-        self.add_bytes(m, (k * medium::class_size(m)).wrapping_neg());
+        self.sub_bytes(m >= NUM_LOWER, k * medium::class_size(m));
         k
     }
 

@@ -2143,6 +2143,15 @@ fn alloc_ok(a: &GlobalBfc, l: Layout) -> *mut u8 {
     p
 }
 
+/// After every thread that used `a` exited: nothing is in use or cached, the block at `gone` (one
+/// a thread's cache held at its exit) is the engine's again, and the invariants hold.
+fn assert_all_given_back(a: &GlobalBfc, gone: usize) {
+    let s = a.stats();
+    assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 0));
+    assert_eq!(a.usable_size(gone as *const u8), None);
+    assert_eq!(a.check(), Ok(()));
+}
+
 /// Medium blocks (above 16 KiB, at most 64 KiB, aligned to at most `MEDIUM_ALIGN`) take their class's
 /// size; a freed one waits in the thread's cache, still the engine's, and is handed out again for
 /// any request of its class without the engine (the allocation count stays put); another class
@@ -2753,10 +2762,7 @@ fn resized_and_exiting_upper_blocks_go_back_to_the_engine() {
     })
     .join()
     .unwrap();
-    let s = a.stats();
-    assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 0));
-    assert_eq!(a.usable_size(kept as *const u8), None);
-    assert_eq!(a.check(), Ok(()));
+    assert_all_given_back(&a, kept);
 }
 
 /// A thread caches at most `MEDIUM_BIN` blocks of an upper class and `UPPER_BUDGET` bytes of them
@@ -2977,10 +2983,7 @@ fn an_exiting_thread_gives_back_its_medium_blocks() {
     })
     .join()
     .unwrap();
-    let s = a.stats();
-    assert_eq!((s.bytes_in_use, s.bytes_cached), (0, 0));
-    assert_eq!(a.usable_size(p as *const u8), None);
-    assert_eq!(a.check(), Ok(()));
+    assert_all_given_back(&a, p);
 }
 
 /// A medium class with no refill or flush in a decay period gives back half its blocks.
