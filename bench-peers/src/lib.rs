@@ -22,6 +22,8 @@
 //!   wall time per object.
 //! - `mid`: the churn with sizes log-uniform in 2..=16 KiB (10,000 live blocks, 1,000,000 steps).
 //! - `med`: the churn with sizes log-uniform in 16..=64 KiB (1,000 live blocks, 1,000,000 steps).
+//! - `pagebuf`: `med` with every block aligned to 4 KiB (page-aligned I/O buffers); `pagebuf2`: the
+//!   same in 2 threads, 500 live blocks and 500,000 steps each.
 //! - `json`: `serde_json` parse of an 11.5 MB document into a `Value` and back to a `String`.
 //! - `bufw`: 8 live I/O buffers of 16 KiB..=1 MiB, a byte written in every 4 KiB page.
 //! - `zero`, `zerol`: `vec![0u8; n]`, 8 live, a byte written per page, n in 4 KiB..=1 MiB and
@@ -56,6 +58,8 @@ pub const WORKLOADS: &[(&str, &str)] = &[
     ("zeros", "ns/KiB"),
     ("mid", "ns/step"),
     ("med", "ns/step"),
+    ("pagebuf", "ns/step"),
+    ("pagebuf2", "ns/step/thread"),
 ];
 
 struct Rng(u64);
@@ -158,6 +162,12 @@ fn churn_span<const EVERY_PAGE: bool>(
         put_aligned(p, s, align);
     }
     (t0, t1)
+}
+
+/// [`churn`] (first byte written) with every block aligned to `align`.
+fn aligned_churn(seed: u64, live: usize, lo: usize, hi: usize, steps: usize, align: usize) -> f64 {
+    let (t0, t1) = churn_span::<false>(seed, live, lo, hi, steps, align, None);
+    (t1 - t0).as_nanos() as f64 / steps as f64
 }
 
 /// [`churn_span`] in one thread: ns per step.
@@ -366,6 +376,9 @@ pub fn main() {
         "mid" => churn::<false>(5, 10_000, 2 << 10, 16 << 10, 1_000_000),
         // Above the slab layer: 1,000 live blocks of 16..64 KiB, all engine blocks.
         "med" => churn::<false>(6, 1_000, 16 << 10, 64 << 10, 1_000_000),
+        // `med` aligned to a page.
+        "pagebuf" => aligned_churn(6, 1_000, 16 << 10, 64 << 10, 1_000_000, 4096),
+        "pagebuf2" => threaded_churn_of::<false>(2, 500_000, 4096, (500, 16 << 10, 64 << 10)),
         other => panic!("unknown workload {other}"),
     };
     println!("{name} {value:.3} {}", peak_rss_kib());

@@ -2,10 +2,11 @@
 //! and upper-class blocks (64 KiB..1 MiB) that they keep in threads that meet contention.
 //!
 //! A request above the slab layer's 16 KiB and at most [`MEDIUM_MAX`] (64 KiB), aligned to at most
-//! [`MEDIUM_ALIGN`] (128 bytes: SIMD vectors, cache lines, `crossbeam`'s `CachePadded`), is
+//! [`MEDIUM_ALIGN`] (a page: SIMD vectors, cache lines, `crossbeam`'s `CachePadded`, page-aligned
+//! I/O buffers), is
 //! rounded up to one of [`NUM_LOWER`] classes (four per power of two: 20, 24, 28, 32, 40, 48, 56
 //! and 64 KiB) and served by the engine as a block of exactly that size, starting on the
-//! [`MEDIUM_GRID`] (32 KiB) grid where the arena has room for the padding (else at a 128-byte
+//! [`MEDIUM_GRID`] (32 KiB) grid where the arena has room for the padding (else at a page
 //! boundary). Such a block is interchangeable with any other of its class, so a
 //! thread's cache keeps a few freed ones per class and hands them out again without the lock, the
 //! engine's best-fit search, its splitting or its coalescing (cachegrind on bench-peers `med`:
@@ -87,10 +88,11 @@ use super::small::SMALL_MAX;
 
 /// Largest medium request.
 pub(crate) const MEDIUM_MAX: usize = 64 << 10;
-/// Largest alignment of a medium request; every medium block is aligned to it (128 bytes: the
-/// alignments above the default that programs ask for most, SIMD vectors and cache lines, take
-/// the cached path too; a page-aligned request goes to the engine, placed as it fits).
-pub(crate) const MEDIUM_ALIGN: usize = 128;
+/// Largest alignment of a medium request; every medium block is aligned to it (a page: SIMD
+/// vectors, cache lines and page-aligned I/O buffers all take the cached path and the grid). A
+/// block on the grid is aligned to it anyway; the alignment only costs the blocks placed off the
+/// grid (the arena near its limit) up to a page of padding instead of 128 bytes.
+pub(crate) const MEDIUM_ALIGN: usize = 4096;
 /// Where a new medium block starts, when the arena has room for the padding (see the module docs):
 /// a multiple of 32 KiB (64 KiB for the 64 KiB class, as for every larger engine block).
 pub(crate) const MEDIUM_GRID: usize = 32 << 10;

@@ -37,7 +37,7 @@
 //! Everything larger goes to the engine, with its best fit and coalescing; new blocks of 64 KiB or
 //! more start at a 64 KiB boundary where the arena has room for the padding, so the first pages of a
 //! new large block are likely already touched. With `std`, requests above 16 KiB and up to 64 KiB
-//! (alignment at most 128 bytes) are *medium*: rounded up to one of eight classes (20 to 64 KiB,
+//! (alignment at most a page) are *medium*: rounded up to one of eight classes (20 to 64 KiB,
 //! four per power of two) so that thread caches can keep freed ones for reuse, and start on a
 //! 32 KiB grid, for the same reason as large blocks (see `medium.rs`). In a thread whose requests
 //! above 64 KiB find the heap lock held, those up to 1 MiB (the *upper* classes, 80 KiB to 1 MiB)

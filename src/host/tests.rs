@@ -404,61 +404,62 @@ fn a_thread_that_reenters_the_heap_lock_aborts() {
 }
 
 /// The pointer map has one entry per 4 KiB of arena (`MAP_BLOCK`); a lookup walks from the first
-/// chunk starting in a block. Here three chunks start in one map block, the most the host makes
-/// (engine blocks aligned to at most 4 KiB are larger than the slab limit, 16 KiB, over-aligned ones
-/// start 8 KiB or more apart, and no two free chunks are neighbours): a 32-byte block aligned to
-/// 8 KiB, a block of 16 KiB + 16 bytes cut from the rest behind it (at its alignment, 256 bytes
-/// in), then the first block shrunk in place to 16 bytes, which leaves a free chunk between the
-/// two. Each block is found by its own address.
+/// chunk starting in a block. Here three chunks start in one map block, the most the host makes:
+/// engine blocks aligned to at most a page are larger than the slab limit (16 KiB), and start on a
+/// page boundary unless a large one is placed off the grid (no grid point has room for it);
+/// over-aligned ones start 8 KiB or more apart; and no two free chunks are neighbours. So: a 32-byte
+/// block aligned to 8 KiB, a large block placed off the grid right behind it (in a full arena),
+/// then the first block shrunk in place to 16 bytes, which leaves a free chunk between the two.
+/// Each block is found by its own address, and freed in an order that leaves the map block's
+/// later chunk for last.
 #[test]
 fn blocks_starting_in_one_map_block_are_each_found() {
     let a = small_instance();
-    let tiny = Layout::from_size_align(32, 8192).unwrap();
-    // (Aligned beyond what medium blocks serve: those start on the medium grid, not behind `tiny`.)
-    let mid = Layout::from_size_align(small::SMALL_MAX + 16, BEYOND_MEDIUM).unwrap();
-    let mut blocks = std::vec::Vec::new();
-    for _ in 0..64 {
-        // SAFETY: non-zero sizes; every block is freed below with its (last) layout.
-        unsafe {
-            let p = a.alloc(tiny);
-            assert!(!p.is_null());
-            assert_eq!(p as usize % 8192, 0);
-            let q = a.alloc(mid);
-            assert!(!q.is_null());
-            // An over-aligned block shrinks in place (no slab class serves 8 KiB alignment).
-            assert_eq!(a.realloc(p, tiny, 16), p);
-            blocks.push((p, Layout::from_size_align(16, 8192).unwrap()));
-            blocks.push((q, mid));
+    let mut live = fill_engine(&a);
+    let x = free_mib_blocks(&a, &mut live, 1);
+    // The first ones take what room the filling left (best fit), then one takes the freed place.
+    let tiny = layout(32, 8192);
+    let mut tries = 0;
+    let t = loop {
+        let p = alloc_ok(&a, tiny);
+        if p as usize == x {
+            break p;
         }
-    }
-    // Some map block holds the starts of a `tiny` block, of the free chunk after it and of a `mid`
-    // block (the rest behind `tiny`, best fit).
-    let most = a
+        live.push((p, tiny));
+        tries += 1;
+        assert!(tries < 1000, "no tiny block took the freed place");
+    };
+    // No 64 KiB grid point in the rest of the place has room for it: off the grid, behind `t`.
+    let large = layout((1 << 20) - 32, 16);
+    let n = alloc_ok(&a, large);
+    assert_eq!(n as usize, x + 32, "the large block is not right behind");
+    // An over-aligned block shrinks in place (no slab class serves 8 KiB alignment).
+    // SAFETY: `t` came from `a` with `tiny`.
+    assert_eq!(unsafe { a.realloc(t, tiny, 16) }, t);
+    let tiny = layout(16, 8192);
+    let starts = a
         .with_heap(|h| {
             let mut starts = std::collections::BTreeMap::<usize, usize>::new();
             for c in h.bfc.chunks() {
                 *starts.entry(c.ptr() / MAP_BLOCK).or_default() += 1;
             }
-            starts.values().copied().max().unwrap_or(0)
+            starts
         })
         .unwrap();
-    assert_eq!(most, 3, "no map block holds three chunk starts");
-    for &(p, l) in &blocks {
-        assert!(a.usable_size(p).is_some_and(|u| u >= l.size()));
-    }
+    assert_eq!(
+        starts[&(x / MAP_BLOCK)],
+        3,
+        "the map block does not hold three starts"
+    );
+    assert_eq!(starts.values().max(), Some(&3));
+    assert!(a.usable_size(t).is_some_and(|u| u >= 16));
+    assert!(a.usable_size(n).is_some_and(|u| u >= large.size()));
     assert_eq!(a.check(), Ok(()));
-    // Free in an order that leaves a map block's later chunk for last.
-    for &(p, l) in blocks
-        .iter()
-        .step_by(2)
-        .chain(blocks.iter().skip(1).step_by(2))
-    {
-        // SAFETY: each block came from `a` with `l` (its layout since the shrink) and is freed
-        // once.
-        unsafe { a.dealloc(p, l) };
-        assert_eq!(a.check(), Ok(()));
-    }
-    assert_eq!(a.stats().bytes_in_use, 0);
+    // SAFETY: `t` came from `a` with `tiny` (its layout since the shrink) and is freed once.
+    unsafe { a.dealloc(t, tiny) };
+    assert_eq!(a.check(), Ok(()));
+    live.push((n, large));
+    free_all(&a, live);
 }
 
 #[test]
@@ -1078,21 +1079,38 @@ fn a_huge_interior_block_gives_back_its_pages_at_once_and_spares_its_neighbours(
 
 /// A sweep gives back only the whole pages of a free chunk: the page it shares with the live
 /// block after it (the chunk ends mid-page) keeps that block's bytes. (Below the size whose pages
-/// go back at the free, so the release's sweep is what returns them.)
+/// go back at the free, so the release's sweep is what returns them.) A live engine block starts
+/// mid-page only when it is a large one placed off the grid: here in a full arena, in the rest of
+/// the place the block took, where no 64 KiB grid point has room for it.
 #[test]
 #[cfg_attr(miri, ignore = "Miri has no mincore")]
 fn a_sweep_spares_the_page_a_free_chunk_shares_with_a_live_block() {
-    let a = big_instance();
-    let block = Layout::from_size_align((3 << 19) + BEYOND_MEDIUM, 16).unwrap();
-    let (p, usable, n) = block_beside_a_neighbour(&a, block);
-    assert_ne!(
-        (p as usize + usable) % os::page_size(),
-        0,
-        "ends on a page boundary"
+    let a = small_instance();
+    let mut live = fill_engine(&a);
+    let x = free_mib_blocks(&a, &mut live, 2);
+    let block = layout((3 << 19) + 904, 16);
+    let p = alloc_ok(&a, block);
+    assert_eq!(p as usize, x, "the block did not take the freed place");
+    let usable = a.usable_size(p).unwrap();
+    let nl = layout(x + (2 << 20) - (p as usize + usable), 16);
+    let n = alloc_ok(&a, nl);
+    assert_eq!(
+        n as usize,
+        p as usize + usable,
+        "the neighbour does not follow"
     );
-    // SAFETY: `p` came from `a.alloc(block)`.
-    unsafe { a.dealloc(p, block) };
     let page = os::page_size();
+    assert_ne!(
+        n as usize % page,
+        0,
+        "the neighbour starts on a page boundary"
+    );
+    // SAFETY: each block holds at least the bytes written; `p` came from `a.alloc(block)`.
+    unsafe {
+        p.write_bytes(0xa5, usable);
+        n.write_bytes(0x5a, nl.size());
+        a.dealloc(p, block);
+    }
     let first = (p as usize).next_multiple_of(page);
     let last = (p as usize + usable) & !(page - 1);
     assert!(
@@ -1102,11 +1120,10 @@ fn a_sweep_spares_the_page_a_free_chunk_shares_with_a_live_block() {
     assert!(a.release_free_memory() >= last - first);
     assert_eq!(resident_pages(first as *mut u8, last - first), 0);
     // SAFETY: `n` is live and holds the neighbour's bytes.
-    let ok = unsafe { filled_with(n, neighbour().size(), 0x5a) };
+    let ok = unsafe { filled_with(n, nl.size(), 0x5a) };
     assert!(ok, "a live neighbour lost its data");
-    // SAFETY: `n` came from `a.alloc(neighbour())`.
-    unsafe { a.dealloc(n, neighbour()) };
-    assert_eq!(a.check(), Ok(()));
+    live.push((n, nl));
+    free_all(&a, live);
 }
 
 #[test]
@@ -2200,7 +2217,7 @@ fn medium_blocks_are_cached_and_reused_by_their_class() {
 
 /// New medium blocks start on the medium grid (32 KiB; 64 KiB for the 64 KiB class), also where
 /// the free space before them is not aligned (the padding stays free), so the pages that hold
-/// their starts are few and the same ones again.
+/// their starts are few and the same ones again. Page-aligned requests too (I/O buffers).
 #[test]
 fn medium_blocks_start_on_the_medium_grid() {
     let a = small_instance();
@@ -2223,7 +2240,7 @@ fn medium_blocks_start_on_the_medium_grid() {
         let odd = layout(small::SMALL_MAX + 16 + i * 48, BEYOND_MEDIUM);
         let o = alloc_ok(&a, odd);
         // (Medium blocks are not freed in the loop: each request is a new engine block.)
-        let l = layout(sizes[i % sizes.len()], 8);
+        let l = layout(sizes[i % sizes.len()], if i % 3 == 0 { 4096 } else { 8 });
         let p = alloc_ok(&a, l);
         let grid = if a.usable_size(p) == Some(64 << 10) {
             64 << 10
@@ -2272,6 +2289,31 @@ fn free_highest(a: &GlobalBfc, live: &mut std::vec::Vec<(*mut u8, Layout)>) -> u
     // SAFETY: `x` came from `a` with `l` (the caller's promise for `live`) and is freed once.
     unsafe { a.dealloc(x, l) };
     x as usize
+}
+
+/// Frees `n` neighbouring 1 MiB blocks of `live` (from [`fill_engine`]), taking them out of
+/// `live`, and returns the start of the place they leave.
+fn free_mib_blocks(a: &GlobalBfc, live: &mut std::vec::Vec<(*mut u8, Layout)>, n: usize) -> usize {
+    let mib = 1 << 20;
+    let starts: std::collections::BTreeSet<usize> = live
+        .iter()
+        .filter(|&&(_, l)| l.size() == mib)
+        .map(|&(p, _)| p as usize)
+        .collect();
+    let x = *starts
+        .iter()
+        .find(|&&s| (1..n).all(|k| starts.contains(&(s + k * mib))))
+        .expect("no neighbouring 1 MiB blocks");
+    let (freed, kept) = live
+        .drain(..)
+        .partition::<std::vec::Vec<_>, _>(|&(p, _)| (x..x + n * mib).contains(&(p as usize)));
+    *live = kept;
+    assert_eq!(freed.len(), n);
+    for (p, l) in freed {
+        // SAFETY: `p` came from `a` with `l` (the caller's promise for `live`) and is freed once.
+        unsafe { a.dealloc(p, l) };
+    }
+    x
 }
 
 /// Frees every block of `live` (each from `a`, with its layout), empties this thread's cache, and
@@ -2364,8 +2406,8 @@ fn a_medium_request_takes_the_end_of_the_arena_off_the_grid() {
     }
 }
 
-/// Medium requests aligned to more than 16 bytes, up to `MEDIUM_ALIGN`, are medium blocks too:
-/// cached, and handed out again for requests of the class at any of those alignments.
+/// Medium requests aligned to more than 16 bytes, up to `MEDIUM_ALIGN` (a page), are medium
+/// blocks too: cached, and handed out again for requests of the class at any of those alignments.
 #[test]
 fn aligned_medium_requests_are_cached() {
     let a = small_instance();
@@ -2373,14 +2415,21 @@ fn aligned_medium_requests_are_cached() {
     let p = alloc_ok(&a, l64);
     assert_eq!(p as usize % medium::MEDIUM_ALIGN, 0);
     assert_eq!(a.usable_size(p), Some(32 << 10));
-    // SAFETY: `p` came from `a` with `l64` and is freed once.
-    unsafe { a.dealloc(p, l64) };
-    assert_eq!(a.thread_cache_bytes(), 32 << 10);
-    let l128 = layout(32 << 10, medium::MEDIUM_ALIGN);
-    let allocs = a.stats().num_allocs;
-    assert_eq!(alloc_ok(&a, l128), p);
-    assert_eq!(a.stats().num_allocs, allocs, "not from the cache");
-    free_all(&a, std::vec![(p, l128)]);
+    let mut last = l64;
+    for align in [128, 4096, 16] {
+        // SAFETY: `p` came from `a` with `last` and is freed once.
+        unsafe { a.dealloc(p, last) };
+        assert_eq!(a.thread_cache_bytes(), 32 << 10);
+        last = layout(32 << 10, align);
+        let allocs = a.stats().num_allocs;
+        assert_eq!(alloc_ok(&a, last), p, "aligned to {align}");
+        assert_eq!(
+            a.stats().num_allocs,
+            allocs,
+            "aligned to {align}: not from the cache"
+        );
+    }
+    free_all(&a, std::vec![(p, last)]);
 }
 
 /// A block that a resize in place leaves at a medium class's size but off `MEDIUM_ALIGN` (a large
