@@ -28,7 +28,9 @@
 //! coalesces when its neighbours are freed), and the heap's committed extent grew from 50 to 58
 //! MiB. A 16 KiB grid gave 15.1 MiB (56 MiB committed), a 64 KiB one 7.1 MiB (70 MiB committed).
 //! The engine still coalesces every block the caches give back, and a cache holds at most
-//! [`MEDIUM_BIN`] (8) blocks per class and [`MEDIUM_BUDGET`] (768 KiB) of them in all.
+//! [`MEDIUM_BIN`] (8) blocks per class and [`MEDIUM_BUDGET`] (768 KiB) of them in all; twice that
+//! ([`CONTENDED_MEDIUM_BIN`], [`CONTENDED_MEDIUM_BUDGET`]) in a thread that meets contention on the
+//! heap lock (below), where a miss may wait for another thread.
 //!
 //! **Upper classes.** Engine blocks above 64 KiB take the heap lock on every allocation and free
 //! (about 1,300 instructions under it), so threads that use them at once wait for each other:
@@ -44,7 +46,9 @@
 //! classes off: no thread starts caching),
 //! and a request takes a cached block of its class or of the next two up (at most 1.75 times its
 //! size, a request of 64 KiB + 1 byte served by a 112 KiB block; the pages past what the caller
-//! writes stay untouched unless an earlier owner wrote them). After `CONTENDED_HEAT` (1,024) such lock operations in a row that found the lock free
+//! writes stay untouched unless an earlier owner wrote them). A medium request's lock operation
+//! that finds the lock held starts the same (and doubles the thread's medium caps). After
+//! `CONTENDED_HEAT` (1,024) medium or upper-class lock operations in a row that found the lock free
 //! the thread stops: its requests take blocks of their own size again and its frees go to the
 //! engine, and what it still caches serves its requests, decays or goes back at exit. A thread
 //! that never meets contention (every single-threaded program) never rounds or caches these
@@ -98,13 +102,24 @@ pub(crate) const MEDIUM_ALIGN: usize = 4096;
 pub(crate) const MEDIUM_GRID: usize = 32 << 10;
 /// Bytes per table entry's window.
 pub(crate) const WINDOW_SHIFT: u32 = 14;
-/// Most blocks one class's stack in a thread cache holds.
+/// Most blocks one class's stack in a thread cache holds (a medium class's, in a thread that meets
+/// contention on the heap lock: [`CONTENDED_MEDIUM_BIN`]).
 pub(crate) const MEDIUM_BIN: usize = 8;
+/// Most blocks one medium class's stack holds in a thread that meets contention on the heap lock
+/// (`ThreadCache::contended`), where a miss may wait for the lock: with [`CONTENDED_MEDIUM_BUDGET`],
+/// bench-peers `pagebuf2` (2 threads) took 59-64 instead of 109-112 ns per step and thread (three
+/// interleaved rounds; 8 and 1.5 MiB: 80-88 ns, 16 and 768 KiB: 118-126 ns). Single-threaded, the
+/// same caps would cost `zero` 0.4 MiB and `bufw` 0.25 MiB of peak RSS, so they stay for threads
+/// that wait.
+pub(crate) const CONTENDED_MEDIUM_BIN: usize = 2 * MEDIUM_BIN;
 /// Most bytes of medium blocks one thread's cache holds. (bench-peers, interleaved with 4 blocks
 /// and 512 KiB: `med` 66.3-66.5 -> 53.0-53.5 ns/step, mimalloc with THP off 54.7-55.2; peak RSS of
 /// `bufw` 11.30-11.42 -> 11.49-11.53 MiB and of `zero` 11.25-11.29 -> 11.40-11.46 MiB. 8 and 1 MiB:
 /// 48-51 ns, `zero` 11.97 MiB; 8 and 640 KiB: 58.5 ns.)
 pub(crate) const MEDIUM_BUDGET: usize = 768 << 10;
+/// Most bytes of medium blocks one thread's cache holds while the thread meets contention on the
+/// heap lock (see [`CONTENDED_MEDIUM_BIN`]).
+pub(crate) const CONTENDED_MEDIUM_BUDGET: usize = 2 * MEDIUM_BUDGET;
 
 /// Largest request of the upper classes, cached only by threads that meet contention on the heap
 /// lock (see the module docs).

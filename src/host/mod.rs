@@ -50,11 +50,12 @@
 //! small allocations and frees take no lock (see `tcache.rs` for the protocol), and stacks of freed
 //! medium blocks, so a medium block freed and taken again by its thread skips the lock and the
 //! engine:
-//! - at most [`MAX_CACHED_BYTES`] (10,159 KiB) per thread: 1,199 KiB of small blocks, where a
+//! - at most [`MAX_CACHED_BYTES`] (10,927 KiB) per thread: 1,199 KiB of small blocks, where a
 //!   refill or an overflow moves half a stack, and 8 blocks of each medium class, 768 KiB of them in
-//!   all, where a miss takes one block from the engine and an overflow gives half the class's stack
-//!   back to it; and, only in a thread whose requests above 64 KiB meet contention on the heap lock,
-//!   8 blocks of each upper class (80 KiB to 1 MiB), [`HostConfig::upper_cache_bytes`] (by default
+//!   all (16 and 1,536 KiB in a thread whose medium or larger requests meet contention on the heap
+//!   lock), where a miss takes one block from the engine and an overflow gives half the class's
+//!   stack back to it; and, only in a thread that meets that contention, 8 blocks of each upper
+//!   class (80 KiB to 1 MiB), [`HostConfig::upper_cache_bytes`] (by default
 //!   8 MiB) of them in all (see `medium.rs`);
 //! - a block freed on another thread joins that thread's cache; a full cache gives half a stack to
 //!   a per-class transfer cache in the heap, from which the refills of that class take their batches
@@ -2245,6 +2246,7 @@ impl GlobalBfc {
     #[inline(never)]
     fn alloc_medium_slow(&self, m: usize, size: usize, align: usize) -> *mut u8 {
         self.alloc_with_cache(size, align, |h, tc| {
+            tc.note_lock(h.contended);
             let p = h.allocate(size, align);
             h.note_slow(tc, tcache::MEDIUM_BIT + m);
             p
@@ -2257,7 +2259,10 @@ impl GlobalBfc {
     #[cold]
     #[inline(never)]
     fn free_medium_slow(&self, ptr: *mut u8, m: usize) {
-        self.free_with_cache(ptr, |h, tc| h.free_medium_to_cache(tc, m, ptr as usize));
+        self.free_with_cache(ptr, |h, tc| {
+            tc.note_lock(h.contended);
+            h.free_medium_to_cache(tc, m, ptr as usize);
+        });
     }
 
     /// An allocation above [`medium::MEDIUM_MAX`]: an upper-class one (see `medium.rs`) from the
@@ -2732,8 +2737,8 @@ impl Heap {
     /// Frees up to `n` blocks of medium class `m` from the calling thread's cache `tc` into the
     /// engine (which checks that each is live, and coalesces it).
     fn flush_medium(&mut self, tc: &ThreadCache, m: usize, n: usize) {
-        let mut buf = [0usize; medium::MEDIUM_BIN];
-        let k = tc.pop_medium_into(m, &mut buf[..n.min(medium::MEDIUM_BIN)]);
+        let mut buf = [0usize; medium::CONTENDED_MEDIUM_BIN];
+        let k = tc.pop_medium_into(m, &mut buf[..n.min(medium::CONTENDED_MEDIUM_BIN)]);
         for &p in &buf[..k] {
             self.free_engine(p);
         }
@@ -2782,14 +2787,15 @@ impl Heap {
             return;
         };
         Self::abort_if_cached(tc, m, p);
-        if tc.medium_count(m) >= medium::MEDIUM_BIN || !tc.medium_room(m) {
+        if tc.medium_count(m) >= tc.medium_cap(m) || !tc.medium_room(m) {
             self.flush_medium(tc, m, tc.medium_count(m).div_ceil(2));
         }
-        if tc.medium_room(m) {
+        if tc.medium_count(m) < tc.medium_cap(m) && tc.medium_room(m) {
             tc.fill_medium(m, p);
         } else {
-            // The budget is held by other classes' blocks: they leave as those classes are
-            // allocated again, or decay.
+            // The budget is held by other classes' blocks (they leave as those classes are
+            // allocated again, or decay), or the stack still holds what it took while the thread
+            // met contention.
             self.free_engine(p);
         }
         self.note_slow(tc, tcache::MEDIUM_BIT + m);
@@ -2852,7 +2858,7 @@ impl Heap {
             };
             if tc.medium_bytes(false) != bytes(0..medium::NUM_LOWER)
                 || tc.medium_bytes(true) != bytes(medium::NUM_LOWER..medium::NUM_MEDIUM)
-                || tc.medium_bytes(false) > medium::MEDIUM_BUDGET
+                || tc.medium_bytes(false) > medium::CONTENDED_MEDIUM_BUDGET
                 || tc.medium_bytes(true) > tc.upper_budget.get()
             {
                 return Err(CheckError {
@@ -2873,7 +2879,7 @@ impl Heap {
                         at: None,
                     });
                 }
-                if tc.medium_count(m) > medium::MEDIUM_BIN || tc.has_duplicate_medium(m) {
+                if tc.medium_count(m) > tcache::most_medium(m) || tc.has_duplicate_medium(m) {
                     return Err(CheckError {
                         what: "thread cache stack overfull or holding a block twice",
                         at: None,

@@ -27,15 +27,17 @@
 //! **Bounds.** A class's stack holds at most [`bin_capacity`] blocks: about 16 KiB of blocks, at least
 //! 16 (8 for the classes above 4 KiB) and at most 128 of them (128 for the classes up to 128 B, 2 to
 //! 16 KiB; 16 from 1 KiB to 4 KiB, 20 to 64 KiB; 8 above, 40 to 128 KiB), so one thread caches at
-//! most 1,199 KiB of small blocks. The stacks take 15 KiB of thread-local storage per thread.
+//! most 1,199 KiB of small blocks. The stacks take 15 KiB of thread-local storage per thread (the
+//! whole cache, medium stacks included, 17 KiB).
 //!
 //! **Medium blocks** (engine blocks of a medium class, 20 to 64 KiB: see `medium.rs`) have stacks
 //! of their own, of [`MEDIUM_BIN`] (8) blocks per class and at most [`MEDIUM_BUDGET`] (768 KiB) in
-//! all. So do the upper classes (80 KiB to 1 MiB), in a thread that meets contention on the heap
-//! lock ([`ThreadCache::caches_upper`]), with a budget of their own, `HostConfig::upper_cache_bytes`
-//! (by default and at most [`UPPER_BUDGET`], 8 MiB). So a
-//! thread caches at most [`MAX_CACHED_BYTES`] (10,159 KiB: 1,199 KiB small, 768 KiB medium, 8 MiB
-//! upper; 1,967 KiB in a thread that never met contention). A medium
+//! all; [`CONTENDED_MEDIUM_BIN`] (16) and [`CONTENDED_MEDIUM_BUDGET`] (1,536 KiB) in a thread that
+//! meets contention on the heap lock ([`ThreadCache::contended`]). So do the upper classes (80 KiB
+//! to 1 MiB), in such a thread only ([`ThreadCache::caches_upper`]), with a budget of their own,
+//! `HostConfig::upper_cache_bytes` (by default and at most [`UPPER_BUDGET`], 8 MiB). So a
+//! thread caches at most [`MAX_CACHED_BYTES`] (10,927 KiB: 1,199 KiB small, 1,536 KiB medium,
+//! 8 MiB upper; 1,967 KiB in a thread that never met contention). A medium
 //! allocation that neither its class's stack nor the next class's can serve takes one block from
 //! the engine under the lock (no batch: the engine splits blocks from free memory of any size, and
 //! a batch would only hold it); a free that finds the stack or the budget full gives half the
@@ -77,7 +79,8 @@
 use core::cell::Cell;
 
 use super::medium::{
-    self, MEDIUM_BIN, MEDIUM_BUDGET, NUM_LOWER, NUM_MEDIUM, UPPER_BUDGET, WINDOW_SHIFT,
+    self, CONTENDED_MEDIUM_BIN, CONTENDED_MEDIUM_BUDGET, MEDIUM_BIN, MEDIUM_BUDGET, NUM_LOWER,
+    NUM_MEDIUM, UPPER_BUDGET, WINDOW_SHIFT,
 };
 use super::small::{class_size, NUM_CLASSES, SPAN, SPAN_SHIFT};
 use crate::sync::{AtomicBool, AtomicUsize, Ordering};
@@ -192,22 +195,46 @@ pub const MAX_CACHED_BYTES: usize = {
     let mut m = 0;
     while m < NUM_MEDIUM {
         if m < NUM_LOWER {
-            medium_sum += MEDIUM_BIN * medium::class_size(m);
+            medium_sum += most_medium(m) * medium::class_size(m);
         } else {
-            upper_sum += MEDIUM_BIN * medium::class_size(m);
+            upper_sum += most_medium(m) * medium::class_size(m);
         }
         m += 1;
     }
-    sum + if medium_sum < MEDIUM_BUDGET {
+    sum + if medium_sum < CONTENDED_MEDIUM_BUDGET {
         medium_sum
     } else {
-        MEDIUM_BUDGET
+        CONTENDED_MEDIUM_BUDGET
     } + if upper_sum < UPPER_BUDGET {
         upper_sum
     } else {
         UPPER_BUDGET
     }
 };
+
+/// Most blocks medium or upper class `m`'s stack ever holds: [`CONTENDED_MEDIUM_BIN`] for a medium
+/// class (in a thread that meets contention), [`MEDIUM_BIN`] for an upper one.
+pub(crate) const fn most_medium(m: usize) -> usize {
+    if m < NUM_LOWER {
+        CONTENDED_MEDIUM_BIN
+    } else {
+        MEDIUM_BIN
+    }
+}
+
+/// Where medium or upper class `m`'s stack starts in `medium_slots` (room for
+/// [`most_medium`] blocks per class).
+#[inline(always)]
+const fn medium_base(m: usize) -> usize {
+    if m < NUM_LOWER {
+        m * CONTENDED_MEDIUM_BIN
+    } else {
+        NUM_LOWER * CONTENDED_MEDIUM_BIN + (m - NUM_LOWER) * MEDIUM_BIN
+    }
+}
+
+/// Slots of the medium and upper stacks.
+const MEDIUM_SLOTS: usize = medium_base(NUM_MEDIUM);
 
 /// Most blocks moved per refill or flush.
 pub(crate) const MAX_BATCH: usize = MAX_BIN / 2;
@@ -265,14 +292,15 @@ pub(crate) struct ThreadCache {
     pub(crate) medium: Cell<*const AtomicU16>,
     /// Blocks on each medium class's stack (statistics for other threads, like `counts`).
     medium_counts: [AtomicU32; NUM_MEDIUM],
-    /// The medium stacks: class `m`'s is `medium_slots[m * MEDIUM_BIN..][..medium_counts[m]]`, top
+    /// The medium stacks: class `m`'s is `medium_slots[medium_base(m)..][..medium_counts[m]]`, top
     /// last.
-    medium_slots: [Cell<usize>; NUM_MEDIUM * MEDIUM_BIN],
+    medium_slots: [Cell<usize>; MEDIUM_SLOTS],
     /// Bytes of the medium classes' stacks and of the upper classes' (owner thread only).
     medium_bytes: [Cell<usize>; 2],
-    /// Lock operations of upper-class requests left before the thread stops caching them: set
-    /// to [`CONTENDED_HEAT`] when such an operation found the heap lock held, less one for each
-    /// that did not (owner thread only; see `medium.rs`).
+    /// Lock operations of medium and upper-class requests left before the thread counts as
+    /// uncontended again ([`ThreadCache::contended`]): set to [`CONTENDED_HEAT`] when such an
+    /// operation found the heap lock held, less one for each that did not (owner thread only; see
+    /// `medium.rs`).
     heat: Cell<u32>,
     /// Most bytes of the upper classes' stacks: the bound instance's
     /// `HostConfig::upper_cache_bytes` (at most [`UPPER_BUDGET`]; 0 until bound, and when the
@@ -302,7 +330,7 @@ impl ThreadCache {
                 slots: [const { Cell::new(0) }; CACHE_SLOTS],
                 medium: Cell::new(core::ptr::null()),
                 medium_counts: [const { AtomicU32::new(0) }; NUM_MEDIUM],
-                medium_slots: [const { Cell::new(0) }; NUM_MEDIUM * MEDIUM_BIN],
+                medium_slots: [const { Cell::new(0) }; MEDIUM_SLOTS],
                 medium_bytes: [const { Cell::new(0) }; 2],
                 heat: Cell::new(0),
                 upper_budget: Cell::new(0),
@@ -461,13 +489,14 @@ impl ThreadCache {
     /// Slot `i` of medium class `m`'s stack.
     #[inline(always)]
     fn medium_slot(&self, m: usize, i: usize) -> &Cell<usize> {
-        debug_assert!(m < NUM_MEDIUM && i < MEDIUM_BIN);
+        debug_assert!(m < NUM_MEDIUM && i < most_medium(m));
         // SAFETY: `m < NUM_MEDIUM` (a class from `medium::class_for` or `upper_class_for`, one
         // of the next classes up that `pop_medium_for` and `pop_upper_for` bound by `NUM_LOWER`
         // and `NUM_MEDIUM`, a class `entry_class` decoded, which it bounds by `NUM_MEDIUM`, or a
-        // loop over the classes) and `i < MEDIUM_BIN` (callers index below the count, which never exceeds `MEDIUM_BIN`,
-        // or at the count after checking it is below), so the index is inside `medium_slots`.
-        unsafe { self.medium_slots.get_unchecked(m * MEDIUM_BIN + i) }
+        // loop over the classes) and `i < most_medium(m)` (callers index below the count, which
+        // never exceeds `medium_cap(m)`, at most `most_medium(m)`, or at the count after checking
+        // it is below `medium_cap(m)`), so the index is inside class `m`'s part of `medium_slots`.
+        unsafe { self.medium_slots.get_unchecked(medium_base(m) + i) }
     }
 
     /// Pops a block of class `m` (owner thread only): a medium class, or an upper one if `UPPER`.
@@ -484,6 +513,19 @@ impl ThreadCache {
         Some(p)
     }
 
+    /// Most blocks medium or upper class `m`'s stack takes now: [`CONTENDED_MEDIUM_BIN`] for a
+    /// medium class in a thread that meets contention, else [`MEDIUM_BIN`] (owner thread only). A
+    /// stack may hold more for a while after the contention ends: it takes no more until it is
+    /// below.
+    #[inline(always)]
+    pub(crate) fn medium_cap(&self, m: usize) -> usize {
+        if m < NUM_LOWER && self.contended() {
+            CONTENDED_MEDIUM_BIN
+        } else {
+            MEDIUM_BIN
+        }
+    }
+
     /// Whether a block of medium class `m` fits the medium stacks' byte budget.
     #[inline(always)]
     pub(crate) fn medium_room(&self, m: usize) -> bool {
@@ -496,6 +538,8 @@ impl ThreadCache {
     fn room(&self, upper: bool, m: usize) -> bool {
         let budget = if upper {
             self.upper_budget.get()
+        } else if self.contended() {
+            CONTENDED_MEDIUM_BUDGET
         } else {
             MEDIUM_BUDGET
         };
@@ -530,25 +574,31 @@ impl ThreadCache {
         self.bytes_cell(upper).get()
     }
 
-    /// Whether the thread caches upper-class blocks now: an upper-class request's lock operation
-    /// found the heap lock held within the last [`CONTENDED_HEAT`] of them (owner thread only).
+    /// Whether the thread meets contention on the heap lock: a medium or upper-class request's
+    /// lock operation found the lock held within the last [`CONTENDED_HEAT`] of them (owner
+    /// thread only). Its medium stacks then take up to [`CONTENDED_MEDIUM_BIN`] blocks each and
+    /// [`CONTENDED_MEDIUM_BUDGET`] in all, and it caches upper-class blocks.
     #[inline(always)]
-    pub(crate) fn caches_upper(&self) -> bool {
+    pub(crate) fn contended(&self) -> bool {
         self.heat.get() > 0
     }
 
-    /// Notes whether a lock operation of an upper-class request found the heap lock held (owner
-    /// thread only). With an upper budget below the smallest upper class (0: the upper classes
-    /// off) the thread never starts caching.
+    /// Whether the thread caches upper-class blocks now: it meets contention, and the upper
+    /// classes are on (a budget that holds a block of the smallest; owner thread only).
+    #[inline(always)]
+    pub(crate) fn caches_upper(&self) -> bool {
+        self.contended() && medium::upper_classes_on(self.upper_budget.get())
+    }
+
+    /// Notes whether a lock operation of a medium or upper-class request found the heap lock held
+    /// (owner thread only).
     #[inline]
     pub(crate) fn note_lock(&self, contended: bool) {
-        self.heat.set(
-            if contended && medium::upper_classes_on(self.upper_budget.get()) {
-                CONTENDED_HEAT
-            } else {
-                self.heat.get().saturating_sub(1)
-            },
-        );
+        self.heat.set(if contended {
+            CONTENDED_HEAT
+        } else {
+            self.heat.get().saturating_sub(1)
+        });
     }
 
     /// Pushes a medium block the caller frees with a layout of medium class `m` (owner thread
@@ -575,7 +625,7 @@ impl ThreadCache {
         };
         let n = self.medium_count(k);
         if (k >= NUM_LOWER) != UPPER
-            || n >= MEDIUM_BIN
+            || n >= self.medium_cap(k)
             || !self.room(UPPER, k)
             || (n > 0 && self.medium_slot(k, n - 1).get() == p)
         {
@@ -644,7 +694,7 @@ impl ThreadCache {
     /// stack must have room.
     pub(crate) fn fill_medium(&self, m: usize, p: usize) {
         let n = self.medium_count(m);
-        if n >= MEDIUM_BIN || !self.medium_room(m) {
+        if n >= self.medium_cap(m) || !self.medium_room(m) {
             // Callers make room first; reaching this is a bug, and writing on would corrupt the
             // next class's stack.
             super::os::fatal(format_args!("thread cache overfilled (medium class {m})"));
@@ -950,8 +1000,9 @@ mod tests {
             assert!(batch(c) >= 4);
         }
         // The figures the module docs and the README quote.
-        assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 1199 + 768 + 8192);
+        assert_eq!(MAX_CACHED_BYTES.div_ceil(1024), 1199 + 1536 + 8192);
         assert_eq!((CACHE_SLOTS * 8).div_ceil(1024), 15);
+        assert_eq!(core::mem::size_of::<ThreadCache>().div_ceil(1024), 17);
     }
 
     /// The cache's thread-local starts all zeros, so it takes no room in the binary: the test

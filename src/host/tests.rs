@@ -2602,9 +2602,9 @@ fn cache_upper_blocks(a: &GlobalBfc) -> usize {
     a.thread_cache_bytes()
 }
 
-/// Ends the calling thread's caching of upper-class blocks (its cache is bound to `a`), as
-/// `CONTENDED_HEAT` upper-class lock operations in a row that found the lock free do; after
-/// `left` fewer of them, one more ends it.
+/// Ends the calling thread's caching of upper-class blocks and its larger medium stacks (its
+/// cache is bound to `a`), as `CONTENDED_HEAT` medium or upper-class lock operations in a row that
+/// found the lock free do; after `left` fewer of them, one more ends it.
 fn stop_caching_upper(a: &GlobalBfc, left: u32) {
     a.bound_cache(|tc| {
         for _ in left..tcache::CONTENDED_HEAT {
@@ -2762,6 +2762,90 @@ fn an_upper_request_that_waits_for_the_lock_starts_the_caching() {
     while_the_lock_is_held(&a, || unsafe { a.dealloc(s, l) });
     assert!(caches_upper(&a));
     assert_eq!(a.usable_size(s), None);
+    a.flush_thread_cache();
+    assert_eq!(a.stats().bytes_in_use, 0);
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A thread that meets contention on the heap lock caches up to `CONTENDED_MEDIUM_BIN` blocks of
+/// a medium class, and more than `MEDIUM_BUDGET` bytes of them (at most
+/// `CONTENDED_MEDIUM_BUDGET`). Once the contention ends, a stack takes no more until it is below
+/// the usual cap: a free then halves it and the block itself goes to the engine.
+#[test]
+fn medium_caches_hold_more_while_the_thread_meets_contention() {
+    let a = small_instance();
+    let small = cache_upper_blocks(&a);
+    let cached = |m: usize| tcache::with(|tc| tc.medium_count(m)).unwrap();
+    let n = medium::CONTENDED_MEDIUM_BIN;
+    assert!(n > medium::MEDIUM_BIN);
+    let (l20, l64) = (layout(20 << 10, 16), layout(64 << 10, 16));
+    let take = |l: Layout, k: usize| {
+        (0..k)
+            .map(|_| alloc_ok(&a, l))
+            .collect::<std::vec::Vec<_>>()
+    };
+    let free = |ps: &[*mut u8], l: Layout| {
+        for &p in ps {
+            // SAFETY: each block came from `a` with `l` and is freed once.
+            unsafe { a.dealloc(p, l) };
+        }
+    };
+    let (b20, b64) = (take(l20, n + 1), take(l64, n));
+    free(&b20[..n], l20);
+    free(&b64, l64);
+    let top = medium::NUM_LOWER - 1;
+    assert_eq!((cached(0), cached(top)), (n, n));
+    let medium = a.thread_cache_bytes() - small;
+    assert_eq!(medium, n * ((20 << 10) + (64 << 10)));
+    assert!(medium > medium::MEDIUM_BUDGET && medium <= medium::CONTENDED_MEDIUM_BUDGET);
+    assert_eq!(a.stats().bytes_cached, small + medium);
+    assert_eq!(a.check(), Ok(()));
+    // The contention ends.
+    stop_caching_upper(&a, 0);
+    free(&b20[n..], l20);
+    assert_eq!(cached(0), n / 2);
+    assert_eq!(a.usable_size(b20[n]), None, "cached");
+    assert_eq!(a.check(), Ok(()));
+    a.flush_thread_cache();
+    assert_eq!(a.stats().bytes_in_use, 0);
+    assert_eq!(a.check(), Ok(()));
+}
+
+/// A medium allocation or free that finds the heap lock held (here by another thread) makes its
+/// thread count as meeting contention; the same requests finding it free do not.
+#[test]
+#[cfg_attr(miri, ignore = "waits for thousands of spins")]
+fn a_medium_request_that_waits_for_the_lock_marks_the_thread_contended() {
+    let a = std::sync::Arc::new(small_instance());
+    let contended = |a: &GlobalBfc| a.bound_cache(|tc| tc.contended()).unwrap();
+    let l = layout(40 << 10, 16);
+    let k = medium::MEDIUM_BIN + 1;
+    let ps: std::vec::Vec<_> = (0..k).map(|_| alloc_ok(&a, l)).collect();
+    assert!(!contended(&a));
+    // An allocation that waits (the class's stack is empty: a miss).
+    let q = while_the_lock_is_held(&a, || alloc_ok(&a, l));
+    assert!(contended(&a));
+    stop_caching_upper(&a, 0);
+    assert!(!contended(&a));
+    // SAFETY: each block came from `a` with `l` and is freed once.
+    unsafe {
+        a.dealloc(q, l);
+        for &p in &ps[..k - 2] {
+            a.dealloc(p, l);
+        }
+    }
+    assert!(!contended(&a));
+    assert_eq!(
+        tcache::with(|tc| tc.medium_count(medium::class_for(40 << 10, 16).unwrap())),
+        Some(medium::MEDIUM_BIN)
+    );
+    // A free that waits (the stack is full: the slow path).
+    let p = ps[k - 2];
+    // SAFETY: `p` came from `a` with `l` and is freed once.
+    while_the_lock_is_held(&a, || unsafe { a.dealloc(p, l) });
+    assert!(contended(&a));
+    // SAFETY: the last block came from `a` with `l` and is freed once.
+    unsafe { a.dealloc(ps[k - 1], l) };
     a.flush_thread_cache();
     assert_eq!(a.stats().bytes_in_use, 0);
     assert_eq!(a.check(), Ok(()));
