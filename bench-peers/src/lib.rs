@@ -19,7 +19,8 @@
 //!   it takes the heap lock unless the thread met contention there and caches such blocks.
 //! - `large2w`: `large2` with a byte written in every 4 KiB page, 20,000 steps per thread.
 //! - `xfree`: one thread allocates (8..=512 bytes) and sends batches of 256 to one that frees them;
-//!   wall time per object.
+//!   wall time per object. `xfreem`: the same with blocks of 16..=64 KiB in batches of 16
+//!   (buffers handed from thread to thread), 200,000 of them.
 //! - `mid`: the churn with sizes log-uniform in 2..=16 KiB (10,000 live blocks, 1,000,000 steps).
 //! - `med`: the churn with sizes log-uniform in 16..=64 KiB (1,000 live blocks, 1,000,000 steps).
 //! - `pagebuf`: `med` with every block aligned to 4 KiB (page-aligned I/O buffers); `pagebuf2`: the
@@ -51,6 +52,7 @@ pub const WORKLOADS: &[(&str, &str)] = &[
     ("large2", "ns/step/thread"),
     ("large2w", "ns/step/thread"),
     ("xfree", "ns/object"),
+    ("xfreem", "ns/object"),
     ("json", "ms/round (11.5 MB parse + serialize)"),
     ("bufw", "ns/step"),
     ("zero", "ns/KiB"),
@@ -256,8 +258,12 @@ fn threaded_churn_of<const EVERY_PAGE: bool>(
 /// first of the two threads' starts after a barrier (thread creation is not timed) to when both
 /// have exited.
 fn cross_thread_free(objects: usize) -> f64 {
-    const BATCH: usize = 256;
-    let batches = objects / BATCH;
+    cross_thread_free_of(objects, 256, (8, 512))
+}
+
+/// [`cross_thread_free`] of sizes log-uniform in `lo..=hi`, in batches of `per_batch` objects.
+fn cross_thread_free_of(objects: usize, per_batch: usize, (lo, hi): (usize, usize)) -> f64 {
+    let batches = objects / per_batch;
     let (tx, rx) = mpsc::sync_channel::<Vec<(usize, usize)>>(16);
     let start = Arc::new(Barrier::new(2));
     let consumer_start = start.clone();
@@ -266,9 +272,9 @@ fn cross_thread_free(objects: usize) -> f64 {
         let t = Instant::now();
         let mut rng = Rng(11);
         for _ in 0..batches {
-            let batch: Vec<(usize, usize)> = (0..BATCH)
+            let batch: Vec<(usize, usize)> = (0..per_batch)
                 .map(|_| {
-                    let s = rng.log_size(8, 512);
+                    let s = rng.log_size(lo, hi);
                     (get(s) as usize, s)
                 })
                 .collect();
@@ -288,7 +294,7 @@ fn cross_thread_free(objects: usize) -> f64 {
     });
     let first = producer.join().unwrap().min(consumer.join().unwrap());
     // The objects sent: whole batches only.
-    first.elapsed().as_nanos() as f64 / (batches * BATCH) as f64
+    first.elapsed().as_nanos() as f64 / (batches * per_batch) as f64
 }
 
 /// A JSON document of about 11.5 MB: an array of objects with strings (some of varying length),
@@ -364,6 +370,7 @@ pub fn main() {
         // The same with every page of each block written.
         "large2w" => threaded_churn_of::<true>(2, 20_000, 8, (16, 64 << 10, 1 << 20)),
         "xfree" => cross_thread_free(2_000_000),
+        "xfreem" => cross_thread_free_of(200_000, 16, (16 << 10, 64 << 10)),
         "json" => json(2),
         // A few I/O buffers of 16 KiB..1 MiB (8 live), every page written.
         "bufw" => churn::<true>(4, 8, 16 << 10, 1 << 20, 100_000),

@@ -121,6 +121,70 @@ pub(crate) const MEDIUM_BUDGET: usize = 768 << 10;
 /// heap lock (see [`CONTENDED_MEDIUM_BIN`]).
 pub(crate) const CONTENDED_MEDIUM_BUDGET: usize = 2 * MEDIUM_BUDGET;
 
+/// Most blocks of one medium class the heap's [`Transfer`] holds.
+pub(crate) const TRANSFER_BIN: usize = 32;
+/// Most bytes of medium blocks the heap's [`Transfer`] holds in all.
+pub(crate) const TRANSFER_BUDGET: usize = 4 << 20;
+
+/// Medium blocks that thread caches gave back when full, kept in the heap (under its lock) for the
+/// next thread whose cache misses on their class: a producer thread's allocations and a consumer's
+/// frees then meet here, instead of each block going through the engine's search and coalescing
+/// twice. At most [`TRANSFER_BIN`] blocks per class and [`TRANSFER_BUDGET`] bytes in all; blocks
+/// here are live to the engine and cached (free to callers), as in a thread cache. An explicit or
+/// thread-exit flush, `release_free_memory` and an allocation that runs out of room give them
+/// back to the engine.
+pub(crate) struct Transfer {
+    slots: [[usize; TRANSFER_BIN]; NUM_LOWER],
+    counts: [u8; NUM_LOWER],
+    bytes: usize,
+}
+
+impl Transfer {
+    /// An empty one.
+    pub(crate) const fn new() -> Self {
+        Transfer {
+            slots: [[0; TRANSFER_BIN]; NUM_LOWER],
+            counts: [0; NUM_LOWER],
+            bytes: 0,
+        }
+    }
+
+    /// Pushes block `p` of medium class `m` if there is room for it; whether it did.
+    pub(crate) fn push(&mut self, m: usize, p: usize) -> bool {
+        let n = self.count(m);
+        if m >= NUM_LOWER || n >= TRANSFER_BIN || self.bytes + class_size(m) > TRANSFER_BUDGET {
+            return false;
+        }
+        self.slots[m][n] = p;
+        self.counts[m] += 1;
+        self.bytes += class_size(m);
+        true
+    }
+
+    /// Pops a block of medium class `m`, the latest pushed.
+    pub(crate) fn pop(&mut self, m: usize) -> Option<usize> {
+        let n = self.count(m).checked_sub(1)?;
+        self.counts[m] = n as u8;
+        self.bytes -= class_size(m);
+        Some(self.slots[m][n])
+    }
+
+    /// Blocks of medium class `m` (0 for an upper class).
+    pub(crate) fn count(&self, m: usize) -> usize {
+        self.counts.get(m).map_or(0, |&n| n as usize)
+    }
+
+    /// Class `m`'s blocks.
+    pub(crate) fn blocks(&self, m: usize) -> &[usize] {
+        self.slots.get(m).map_or(&[], |s| &s[..self.count(m)])
+    }
+
+    /// `(bytes, blocks)` held.
+    pub(crate) fn held(&self) -> (usize, usize) {
+        (self.bytes, self.counts.iter().map(|&n| n as usize).sum())
+    }
+}
+
 /// Largest request of the upper classes, cached only by threads that meet contention on the heap
 /// lock (see the module docs).
 pub(crate) const UPPER_MAX: usize = 1 << 20;

@@ -38,10 +38,13 @@
 //! `HostConfig::upper_cache_bytes` (by default and at most [`UPPER_BUDGET`], 8 MiB). So a
 //! thread caches at most [`MAX_CACHED_BYTES`] (10,927 KiB: 1,199 KiB small, 1,536 KiB medium,
 //! 8 MiB upper; 1,967 KiB in a thread that never met contention). A medium
-//! allocation that neither its class's stack nor the next class's can serve takes one block from
-//! the engine under the lock (no batch: the engine splits blocks from free memory of any size, and
-//! a batch would only hold it); a free that finds the stack or the budget full gives half the
-//! class's stack back to the engine (or the block itself, when other classes hold the budget). A
+//! allocation that neither its class's stack nor the next class's can serve takes a block from the
+//! heap's medium transfer cache (`medium::Transfer`), with up to half its stack's cap more of its
+//! class, or else one block from the engine under the lock (no batch there: the engine splits
+//! blocks from free memory of any size, and a batch would only hold it); a free that finds the
+//! stack or the budget full gives half the class's stack to the transfer cache while it has room
+//! (in a thread that meets contention only) and the rest back to the engine (or the block itself,
+//! when other classes hold the budget). A
 //! free joins a stack only if the heap's medium table, read without the lock, names the block as a
 //! live block of the class its layout says or a larger one, and it joins the stack of its own class
 //! ([`ThreadCache::medium_class`]); any other goes to the checked pointer-based free. Decay, exit

@@ -2464,41 +2464,72 @@ fn a_block_resized_into_a_medium_class_off_its_alignment_is_not_named() {
 }
 
 /// A thread caches at most `MEDIUM_BIN` blocks of a medium class and `MEDIUM_BUDGET` bytes of
-/// them in all; the rest go back to the engine, and every block is accounted for.
+/// them in all (twice that while it meets contention); the rest go back to the engine, and every
+/// block is accounted for. In a thread that meets contention they go to the heap's medium transfer
+/// cache first, while it has room: at most `TRANSFER_BIN` blocks of a class and `TRANSFER_BUDGET`
+/// bytes.
 #[test]
 fn medium_caches_are_bounded() {
-    let a = small_instance();
-    let mut blocks = std::vec::Vec::new();
-    for m in 0..medium::NUM_LOWER {
-        let l = layout(medium::class_size(m), 16);
-        for _ in 0..2 * medium::MEDIUM_BIN {
-            blocks.push((alloc_ok(&a, l), l));
+    for contended in [false, true] {
+        let a = small_instance();
+        let small = if contended { cache_upper_blocks(&a) } else { 0 };
+        let (bin, budget) = if contended {
+            (
+                medium::CONTENDED_MEDIUM_BIN,
+                medium::CONTENDED_MEDIUM_BUDGET,
+            )
+        } else {
+            (medium::MEDIUM_BIN, medium::MEDIUM_BUDGET)
+        };
+        let mut blocks = std::vec::Vec::new();
+        for m in 0..medium::NUM_LOWER {
+            let l = layout(medium::class_size(m), 16);
+            for _ in 0..2 * bin {
+                blocks.push((alloc_ok(&a, l), l));
+            }
         }
+        for &(p, l) in &blocks {
+            // SAFETY: each block came from `a` with `l` and is freed once.
+            unsafe { a.dealloc(p, l) };
+            assert!(a.thread_cache_bytes() - small <= budget);
+            let counts = tcache::with(|tc| {
+                (0..medium::NUM_MEDIUM)
+                    .map(|m| tc.medium_count(m))
+                    .max()
+                    .unwrap()
+            });
+            assert!(counts.unwrap() <= bin);
+        }
+        let cached = a.thread_cache_bytes() - small;
+        // The budget is nearly used: no class's block fits beside the cached ones.
+        assert!(cached + (64 << 10) > budget, "{cached}");
+        let (moved, most) = a
+            .with_heap(|h| {
+                let t = &h.medium_transfer;
+                (t.held().0, (0..medium::NUM_LOWER).map(|m| t.count(m)).max())
+            })
+            .unwrap();
+        if contended {
+            assert!(moved <= medium::TRANSFER_BUDGET, "{moved}");
+            assert!(moved + (64 << 10) > medium::TRANSFER_BUDGET, "{moved}");
+            assert!(most.unwrap() <= medium::TRANSFER_BIN);
+        } else {
+            assert_eq!(moved, 0);
+        }
+        let s = a.stats();
+        assert_eq!(
+            (s.bytes_in_use, s.bytes_cached),
+            (0, small + cached + moved)
+        );
+        assert_eq!(a.check(), Ok(()));
+        // An explicit flush empties the transfer cache too.
+        a.flush_thread_cache();
+        assert_eq!(a.stats().bytes_cached, 0);
+        for &(p, _) in &blocks {
+            assert_eq!(a.usable_size(p), None, "{p:p} still held");
+        }
+        assert_eq!(a.check(), Ok(()));
     }
-    for &(p, l) in &blocks {
-        // SAFETY: each block came from `a` with `l` and is freed once.
-        unsafe { a.dealloc(p, l) };
-        assert!(a.thread_cache_bytes() <= medium::MEDIUM_BUDGET);
-        let counts = tcache::with(|tc| {
-            (0..medium::NUM_MEDIUM)
-                .map(|m| tc.medium_count(m))
-                .max()
-                .unwrap()
-        });
-        assert!(counts.unwrap() <= medium::MEDIUM_BIN);
-    }
-    let cached = a.thread_cache_bytes();
-    // The budget is nearly used: no class's block fits beside the cached ones.
-    assert!(cached + (64 << 10) > medium::MEDIUM_BUDGET, "{cached}");
-    let s = a.stats();
-    assert_eq!((s.bytes_in_use, s.bytes_cached), (0, cached));
-    assert_eq!(a.check(), Ok(()));
-    a.flush_thread_cache();
-    assert_eq!(a.stats().bytes_cached, 0);
-    for &(p, _) in &blocks {
-        assert_eq!(a.usable_size(p), None, "{p:p} still held");
-    }
-    assert_eq!(a.check(), Ok(()));
 }
 
 /// A medium block resized in place is cached by the class of its new size, and one grown past
@@ -3276,6 +3307,88 @@ fn a_cached_medium_block_freed_again_as_another_class_aborts() {
         return;
     }
     assert_child_aborts("host::tests", case, "already in this thread's cache");
+}
+
+/// A medium block waiting in the heap's medium transfer cache, freed again on a thread whose stack
+/// of its class is full (the locked path), is caught.
+#[test]
+#[cfg_attr(miri, ignore = "spawns a child process")]
+fn a_medium_block_in_the_transfer_cache_freed_again_aborts() {
+    let case = "a_medium_block_in_the_transfer_cache_freed_again_aborts";
+    if is_child(case) {
+        let a = small_instance();
+        cache_upper_blocks(&a);
+        let l = layout(20 << 10, 16);
+        let n = medium::CONTENDED_MEDIUM_BIN;
+        let ps: std::vec::Vec<_> = (0..n + n / 2).map(|_| alloc_ok(&a, l)).collect();
+        // SAFETY: each block came from `a` with `l` and is freed once, except the last free,
+        // the error under test.
+        unsafe {
+            for &p in &ps[..n + 1] {
+                a.dealloc(p, l);
+            }
+            // The overflow sent the top half of the stack to the transfer cache.
+            let moved = a
+                .with_heap(|h| h.medium_transfer.blocks(0).to_vec())
+                .unwrap();
+            assert_eq!(moved.len(), n / 2);
+            // Fill the stack again, so that the next free takes the locked path.
+            for &p in &ps[n + 1..] {
+                a.dealloc(p, l);
+            }
+            a.dealloc(moved[0] as *mut u8, l);
+        }
+        std::println!("child survived");
+        return;
+    }
+    assert_child_aborts("host::tests", case, "already in the heap's transfer cache");
+}
+
+/// A producer thread's medium blocks freed by a consumer thread that meets contention: the
+/// consumer's overflow goes to the heap's medium transfer cache, and the producer's next miss
+/// takes a block from there, with up to half its stack's cap more for its cache, without the
+/// engine.
+#[test]
+fn medium_blocks_move_from_a_consumer_to_a_producer_through_the_transfer_cache() {
+    let a = std::sync::Arc::new(small_instance());
+    let l = layout(20 << 10, 16);
+    let n = medium::CONTENDED_MEDIUM_BIN;
+    let ps: std::vec::Vec<usize> = (0..n + 1).map(|_| alloc_ok(&a, l) as usize).collect();
+    let (b, freed) = (a.clone(), ps.clone());
+    let (done, parked) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+    let consumer = std::thread::spawn(move || {
+        cache_upper_blocks(&b);
+        for &p in &freed {
+            // SAFETY: each block came from `b` with `l` and is freed once.
+            unsafe { b.dealloc(p as *mut u8, l) };
+        }
+        done.0.send(()).unwrap();
+        // Until the producer is done: an exiting thread's flush empties the transfer cache.
+        parked.1.recv().unwrap();
+    });
+    done.1.recv().unwrap();
+    let moved = a
+        .with_heap(|h| h.medium_transfer.blocks(0).to_vec())
+        .unwrap();
+    assert_eq!(moved.len(), n / 2);
+    assert!(moved.iter().all(|p| ps.contains(p)));
+    let s = a.stats();
+    // Every block is in the consumer's cache or the transfer cache: cached, none in use.
+    assert_eq!(s.bytes_in_use, 0);
+    assert!(s.bytes_cached >= (n + 1) * (20 << 10));
+    let p = alloc_ok(&a, l);
+    assert_eq!(p as usize, moved[n / 2 - 1], "not from the transfer cache");
+    assert_eq!(a.stats().num_allocs, s.num_allocs, "from the engine");
+    let mine = tcache::with(|tc| tc.medium_count(0)).unwrap();
+    assert_eq!(mine, medium::MEDIUM_BIN / 2);
+    let left = a.with_heap(|h| h.medium_transfer.count(0)).unwrap();
+    assert_eq!(left, n / 2 - 1 - mine);
+    assert_eq!(a.check(), Ok(()));
+    parked.0.send(()).unwrap();
+    consumer.join().unwrap();
+    // The consumer's exit flush emptied the transfer cache.
+    assert_eq!(a.with_heap(|h| h.medium_transfer.held()).unwrap(), (0, 0));
+    free_all(&a, std::vec![(p, l)]);
 }
 
 /// A medium block waiting in the thread's cache, reallocated (grown or shrunk into another class)
