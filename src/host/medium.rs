@@ -2,8 +2,8 @@
 //! and upper-class blocks (64 KiB..1 MiB) that they keep in threads that meet contention.
 //!
 //! A request above the slab layer's 16 KiB and at most [`MEDIUM_MAX`] (64 KiB), aligned to at most
-//! [`MEDIUM_ALIGN`] (a page: SIMD vectors, cache lines, `crossbeam`'s `CachePadded`, page-aligned
-//! I/O buffers), is
+//! [`MEDIUM_ALIGN`] (4 KiB: SIMD vectors, cache lines, `crossbeam`'s `CachePadded`, page-aligned
+//! I/O buffers where pages are 4 KiB), is
 //! rounded up to one of [`NUM_LOWER`] classes (four per power of two: 20, 24, 28, 32, 40, 48, 56
 //! and 64 KiB) and served by the engine as a block of exactly that size, starting on the
 //! [`MEDIUM_GRID`] (32 KiB) grid where the arena has room for the padding (else at a page
@@ -92,8 +92,9 @@ use super::small::SMALL_MAX;
 
 /// Largest medium request.
 pub(crate) const MEDIUM_MAX: usize = 64 << 10;
-/// Largest alignment of a medium request; every medium block is aligned to it (a page: SIMD
-/// vectors, cache lines and page-aligned I/O buffers all take the cached path and the grid). A
+/// Largest alignment of a medium request; every medium block is aligned to it (4 KiB, a page on
+/// x86-64: SIMD vectors, cache lines and page-aligned I/O buffers all take the cached path and the
+/// grid; with larger pages, a page-aligned request goes to the engine, placed as it fits). A
 /// block on the grid is aligned to it anyway; the alignment only costs the blocks placed off the
 /// grid (the arena near its limit) up to a page of padding instead of 128 bytes.
 pub(crate) const MEDIUM_ALIGN: usize = 4096;
@@ -112,7 +113,8 @@ pub(crate) const MEDIUM_BIN: usize = 8;
 /// same caps would cost `zero` 0.4 MiB and `bufw` 0.25 MiB of peak RSS, so they stay for threads
 /// that wait.
 pub(crate) const CONTENDED_MEDIUM_BIN: usize = 2 * MEDIUM_BIN;
-/// Most bytes of medium blocks one thread's cache holds. (bench-peers, interleaved with 4 blocks
+/// Most bytes of medium blocks one thread's cache takes ([`CONTENDED_MEDIUM_BUDGET`] while the
+/// thread meets contention). (bench-peers, interleaved with 4 blocks
 /// and 512 KiB: `med` 66.3-66.5 -> 53.0-53.5 ns/step, mimalloc with THP off 54.7-55.2; peak RSS of
 /// `bufw` 11.30-11.42 -> 11.49-11.53 MiB and of `zero` 11.25-11.29 -> 11.40-11.46 MiB. 8 and 1 MiB:
 /// 48-51 ns, `zero` 11.97 MiB; 8 and 640 KiB: 58.5 ns.)

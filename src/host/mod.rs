@@ -37,10 +37,10 @@
 //! Everything larger goes to the engine, with its best fit and coalescing; new blocks of 64 KiB or
 //! more start at a 64 KiB boundary where the arena has room for the padding, so the first pages of a
 //! new large block are likely already touched. With `std`, requests above 16 KiB and up to 64 KiB
-//! (alignment at most a page) are *medium*: rounded up to one of eight classes (20 to 64 KiB,
+//! (alignment at most 4 KiB) are *medium*: rounded up to one of eight classes (20 to 64 KiB,
 //! four per power of two) so that thread caches can keep freed ones for reuse, and start on a
-//! 32 KiB grid, for the same reason as large blocks (see `medium.rs`). In a thread whose requests
-//! above 64 KiB find the heap lock held, those up to 1 MiB (the *upper* classes, 80 KiB to 1 MiB)
+//! 32 KiB grid, for the same reason as large blocks (see `medium.rs`). In a thread whose medium or
+//! larger requests find the heap lock held, those up to 1 MiB (the *upper* classes, 80 KiB to 1 MiB)
 //! are rounded and cached the same way, so threads that use such blocks at once stop waiting for
 //! each other.
 //!
@@ -54,8 +54,9 @@
 //!   refill or an overflow moves half a stack, and 8 blocks of each medium class, 768 KiB of them in
 //!   all (16 and 1,536 KiB in a thread whose medium or larger requests meet contention on the heap
 //!   lock), where a miss takes one block from the engine and an overflow gives half the class's
-//!   stack back to it (with a heap-wide medium transfer cache of at most 4 MiB between them, used
-//!   by threads that meet contention: see `medium::Transfer`); and, only in a thread that meets that contention, 8 blocks of each upper
+//!   stack back to it (with a heap-wide medium transfer cache of at most 4 MiB between them, which
+//!   the overflows of threads that meet contention fill and any thread's misses take from: see
+//!   `medium::Transfer`); and, only in a thread that meets that contention, 8 blocks of each upper
 //!   class (80 KiB to 1 MiB), [`HostConfig::upper_cache_bytes`] (by default
 //!   8 MiB) of them in all (see `medium.rs`);
 //! - a block freed on another thread joins that thread's cache; a full cache gives half a stack to
@@ -655,7 +656,8 @@ impl GlobalBfc {
     /// `bytes_in_use` and `num_chunks_in_use` count blocks held by callers only: blocks waiting in
     /// thread caches are subtracted. `num_allocs` counts a small block when it leaves the slab layer
     /// (for a caller or a thread cache) and a larger one when it leaves the engine, so it misses
-    /// blocks handed out from a thread cache; `peak_bytes_in_use` includes cached blocks.
+    /// blocks handed out from a thread cache or a transfer cache; `peak_bytes_in_use` includes
+    /// cached blocks.
     pub fn stats(&self) -> Stats {
         self.with_heap(|h| h.stats()).unwrap_or_default()
     }
@@ -1620,7 +1622,8 @@ impl Heap {
         for m in 0..medium::NUM_LOWER {
             let blocks = self.medium_transfer.blocks(m);
             let bad = blocks.iter().enumerate().find(|&(i, &p)| {
-                !self.medium.is(m, p)
+                self.medium.class_of(p).is_some()
+                    || p % medium::MEDIUM_ALIGN != 0
                     || self.bfc.usable_size(p) != Ok(medium::class_size(m))
                     || blocks[i + 1..].contains(&p)
                     || tcache::with(|tc| tc.owner.get() == self.id && tc.contains_medium(m, p))
@@ -1628,8 +1631,8 @@ impl Heap {
             });
             if let Some((_, &p)) = bad {
                 return Err(CheckError {
-                    what: "medium transfer cache holds a block that is not a live medium block of \
-                           its class, or holds it twice",
+                    what: "medium transfer cache holds a block that is not a live, unnamed block \
+                           of its class's size, or holds it twice",
                     at: Some(p),
                 });
             }
@@ -2788,9 +2791,9 @@ impl Heap {
     /// checked when they go back to the engine).
     fn check_not_cached(&self, p: usize) {
         let Some(m) = self.medium.class_of(p) else {
+            self.abort_if_transferred(p);
             return;
         };
-        Self::abort_if_in(&self.medium_transfer, m, p);
         let id = self.id;
         tcache::with(|tc| {
             if tc.owner.get() == id {
@@ -2799,16 +2802,15 @@ impl Heap {
         });
     }
 
-    /// Aborts if medium block `p` of class `m` is in the cache `tc` or the heap's medium transfer
-    /// cache (freed before and not handed out again: a double free).
-    fn abort_if_held(&self, tc: &ThreadCache, m: usize, p: usize) {
-        Self::abort_if_in(&self.medium_transfer, m, p);
-        Self::abort_if_cached(tc, m, p);
-    }
-
-    /// Aborts if medium block `p` of class `m` is in the heap's medium transfer cache `t`.
-    fn abort_if_in(t: &medium::Transfer, m: usize, p: usize) {
-        if t.blocks(m).contains(&p) {
+    /// Aborts if `p` is in the heap's medium transfer cache (freed before and not handed out
+    /// again: a double free). The medium table does not name blocks while they are there, so a
+    /// second free of one misses the thread caches' fast paths and their table check, and comes
+    /// here through the pointer-based free.
+    fn abort_if_transferred(&self, p: usize) {
+        if p % medium::MEDIUM_ALIGN != 0 || self.medium_transfer.held().1 == 0 {
+            return;
+        }
+        if (0..medium::NUM_LOWER).any(|m| self.medium_transfer.blocks(m).contains(&p)) {
             os::fatal(format_args!(
                 "double free of pointer {p:#x} (it is already in the heap's transfer cache)"
             ));
@@ -2832,11 +2834,20 @@ impl Heap {
     fn take_from_medium_transfer(&mut self, tc: &ThreadCache, m: usize) -> Option<usize> {
         let p = match self.medium_transfer.pop(m) {
             Some(p) => p,
-            None => return self.medium_transfer.pop(m + 1),
+            None => {
+                let p = self.medium_transfer.pop(m + 1)?;
+                // Named again: it is a live medium block outside the transfer cache.
+                self.medium.set(m + 1, p);
+                return Some(p);
+            }
         };
+        self.medium.set(m, p);
         while tc.medium_count(m) < tc.medium_cap(m) / 2 && tc.medium_room(m) {
             match self.medium_transfer.pop(m) {
-                Some(q) => tc.fill_medium(m, q),
+                Some(q) => {
+                    self.medium.set(m, q);
+                    tc.fill_medium(m, q);
+                }
                 None => break,
             }
         }
@@ -2858,7 +2869,7 @@ impl Heap {
             self.free(p as *mut u8);
             return;
         };
-        self.abort_if_held(tc, m, p);
+        Self::abort_if_cached(tc, m, p);
         if tc.medium_count(m) >= tc.medium_cap(m) || !tc.medium_room(m) {
             // In a thread that meets contention, into the transfer cache while it has room, for
             // another thread's misses. (Single-threaded, it would only be more cache: `zero` kept
@@ -2867,7 +2878,11 @@ impl Heap {
             let k = tc.pop_medium_into(m, &mut buf[..tc.medium_count(m).div_ceil(2)]);
             let contended = tc.contended();
             for &q in &buf[..k] {
-                if !(contended && self.medium_transfer.push(m, q)) {
+                if contended && self.medium_transfer.push(m, q) {
+                    // Unnamed while it waits there: a thread cache's fast path then refuses a
+                    // second free of it, which the locked path catches (`abort_if_transferred`).
+                    self.medium.clear(q);
+                } else {
                     self.free_engine(q);
                 }
             }

@@ -496,9 +496,10 @@ impl ThreadCache {
         // SAFETY: `m < NUM_MEDIUM` (a class from `medium::class_for` or `upper_class_for`, one
         // of the next classes up that `pop_medium_for` and `pop_upper_for` bound by `NUM_LOWER`
         // and `NUM_MEDIUM`, a class `entry_class` decoded, which it bounds by `NUM_MEDIUM`, or a
-        // loop over the classes) and `i < most_medium(m)` (callers index below the count, which
-        // never exceeds `medium_cap(m)`, at most `most_medium(m)`, or at the count after checking
-        // it is below `medium_cap(m)`), so the index is inside class `m`'s part of `medium_slots`.
+        // loop over the classes) and `i < most_medium(m)` (callers index below the count, or at
+        // the count after checking it is below `medium_cap(m)`, itself at most `most_medium(m)`;
+        // so the count never exceeds `most_medium(m)`, though it may exceed `medium_cap(m)` after
+        // a contention ends), so the index is inside class `m`'s part of `medium_slots`.
         unsafe { self.medium_slots.get_unchecked(medium_base(m) + i) }
     }
 
