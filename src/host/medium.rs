@@ -138,7 +138,6 @@ pub(crate) const TRANSFER_BUDGET: usize = 4 << 20;
 pub(crate) struct Transfer {
     slots: [[usize; TRANSFER_BIN]; NUM_LOWER],
     counts: [u8; NUM_LOWER],
-    bytes: usize,
 }
 
 impl Transfer {
@@ -147,19 +146,17 @@ impl Transfer {
         Transfer {
             slots: [[0; TRANSFER_BIN]; NUM_LOWER],
             counts: [0; NUM_LOWER],
-            bytes: 0,
         }
     }
 
     /// Pushes block `p` of medium class `m` if there is room for it; whether it did.
     pub(crate) fn push(&mut self, m: usize, p: usize) -> bool {
         let n = self.count(m);
-        if m >= NUM_LOWER || n >= TRANSFER_BIN || self.bytes + class_size(m) > TRANSFER_BUDGET {
+        if m >= NUM_LOWER || n >= TRANSFER_BIN || self.held().0 + class_size(m) > TRANSFER_BUDGET {
             return false;
         }
         self.slots[m][n] = p;
         self.counts[m] += 1;
-        self.bytes += class_size(m);
         true
     }
 
@@ -167,7 +164,6 @@ impl Transfer {
     pub(crate) fn pop(&mut self, m: usize) -> Option<usize> {
         let n = self.count(m).checked_sub(1)?;
         self.counts[m] = n as u8;
-        self.bytes -= class_size(m);
         Some(self.slots[m][n])
     }
 
@@ -183,7 +179,9 @@ impl Transfer {
 
     /// `(bytes, blocks)` held.
     pub(crate) fn held(&self) -> (usize, usize) {
-        (self.bytes, self.counts.iter().map(|&n| n as usize).sum())
+        (0..NUM_LOWER).fold((0, 0), |(b, k), m| {
+            (b + self.count(m) * class_size(m), k + self.count(m))
+        })
     }
 }
 

@@ -2690,7 +2690,7 @@ impl Heap {
                     self.flush_bin(tc, k, tc.count(k).div_ceil(2), false);
                 } else {
                     let m = k - tcache::MEDIUM_BIT;
-                    self.flush_medium(tc, m, tc.medium_count(m).div_ceil(2));
+                    self.flush_medium(tc, m, tc.medium_count(m).div_ceil(2), false);
                 }
             }
         }
@@ -2769,19 +2769,41 @@ impl Heap {
             self.flush_bin(tc, c, tc.count(c), false);
         }
         for m in 0..medium::NUM_MEDIUM {
-            self.flush_medium(tc, m, tc.medium_count(m));
+            self.flush_medium(tc, m, tc.medium_count(m), false);
         }
         self.drain_transfer();
     }
 
-    /// Frees up to `n` blocks of medium class `m` from the calling thread's cache `tc` into the
-    /// engine (which checks that each is live, and coalesces it).
-    fn flush_medium(&mut self, tc: &ThreadCache, m: usize, n: usize) {
+    /// Moves up to `n` blocks of medium class `m` out of the calling thread's cache `tc`: into the
+    /// medium transfer cache while it has room, if `transfer`, and otherwise into the engine
+    /// (which checks that each is live, and coalesces it).
+    fn flush_medium(&mut self, tc: &ThreadCache, m: usize, n: usize, transfer: bool) {
         let mut buf = [0usize; medium::CONTENDED_MEDIUM_BIN];
         let k = tc.pop_medium_into(m, &mut buf[..n.min(medium::CONTENDED_MEDIUM_BIN)]);
         for &p in &buf[..k] {
-            self.free_engine(p);
+            if !(transfer && self.park_medium(m, p)) {
+                self.free_engine(p);
+            }
         }
+    }
+
+    /// Puts block `p` of medium class `m` in the medium transfer cache if it has room; whether it
+    /// did. The medium table does not name it while it waits there: a thread cache's fast path
+    /// then refuses a second free of it, which the locked path catches (`abort_if_transferred`).
+    fn park_medium(&mut self, m: usize, p: usize) -> bool {
+        let parked = self.medium_transfer.push(m, p);
+        if parked {
+            self.medium.clear(p);
+        }
+        parked
+    }
+
+    /// Takes a block of medium class `m` out of the medium transfer cache, named in the medium
+    /// table again (a live medium block outside it).
+    fn unpark_medium(&mut self, m: usize) -> Option<usize> {
+        let p = self.medium_transfer.pop(m)?;
+        self.medium.set(m, p);
+        Some(p)
     }
 
     /// Aborts if the engine block `p`, freed by the pointer-based path or resized under the lock,
@@ -2832,24 +2854,14 @@ impl Heap {
     /// moves up to half the thread cache `tc`'s cap of them into `tc`, so a thread that only
     /// allocates (a producer) takes the lock once for several.
     fn take_from_medium_transfer(&mut self, tc: &ThreadCache, m: usize) -> Option<usize> {
-        let p = match self.medium_transfer.pop(m) {
-            Some(p) => p,
-            None => {
-                let p = self.medium_transfer.pop(m + 1)?;
-                // Named again: it is a live medium block outside the transfer cache.
-                self.medium.set(m + 1, p);
-                return Some(p);
-            }
+        let Some(p) = self.unpark_medium(m) else {
+            return self.unpark_medium(m + 1);
         };
-        self.medium.set(m, p);
         while tc.medium_count(m) < tc.medium_cap(m) / 2 && tc.medium_room(m) {
-            match self.medium_transfer.pop(m) {
-                Some(q) => {
-                    self.medium.set(m, q);
-                    tc.fill_medium(m, q);
-                }
-                None => break,
-            }
+            let Some(q) = self.unpark_medium(m) else {
+                break;
+            };
+            tc.fill_medium(m, q);
         }
         Some(p)
     }
@@ -2874,18 +2886,7 @@ impl Heap {
             // In a thread that meets contention, into the transfer cache while it has room, for
             // another thread's misses. (Single-threaded, it would only be more cache: `zero` kept
             // 0.6 MiB more.)
-            let mut buf = [0usize; medium::CONTENDED_MEDIUM_BIN];
-            let k = tc.pop_medium_into(m, &mut buf[..tc.medium_count(m).div_ceil(2)]);
-            let contended = tc.contended();
-            for &q in &buf[..k] {
-                if contended && self.medium_transfer.push(m, q) {
-                    // Unnamed while it waits there: a thread cache's fast path then refuses a
-                    // second free of it, which the locked path catches (`abort_if_transferred`).
-                    self.medium.clear(q);
-                } else {
-                    self.free_engine(q);
-                }
-            }
+            self.flush_medium(tc, m, tc.medium_count(m).div_ceil(2), tc.contended());
         }
         if tc.medium_count(m) < tc.medium_cap(m) && tc.medium_room(m) {
             tc.fill_medium(m, p);

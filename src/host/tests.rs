@@ -3309,32 +3309,49 @@ fn a_cached_medium_block_freed_again_as_another_class_aborts() {
     assert_child_aborts("host::tests", case, "already in this thread's cache");
 }
 
+/// Allocates `CONTENDED_MEDIUM_BIN + 1` medium blocks of `l` from `a` and frees them on another
+/// thread, which meets contention: its stack overflows and sends the top half to the heap's medium
+/// transfer cache. That thread then waits (an exiting thread's flush empties the transfer cache)
+/// until the returned closure lets it exit and joins it. Returns the blocks, those now in the
+/// transfer cache (half the stack, asserted) and that closure.
+fn overflow_on_a_contended_thread(
+    a: &std::sync::Arc<GlobalBfc>,
+    l: Layout,
+) -> (std::vec::Vec<usize>, std::vec::Vec<usize>, impl FnOnce()) {
+    let n = medium::CONTENDED_MEDIUM_BIN;
+    let ps: std::vec::Vec<usize> = (0..n + 1).map(|_| alloc_ok(a, l) as usize).collect();
+    let (b, freed) = (a.clone(), ps.clone());
+    let (done, parked) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+    let consumer = std::thread::spawn(move || {
+        cache_upper_blocks(&b);
+        for &p in &freed {
+            // SAFETY: each block came from `b` with `l` and is freed once.
+            unsafe { b.dealloc(p as *mut u8, l) };
+        }
+        done.0.send(()).unwrap();
+        parked.1.recv().unwrap();
+    });
+    done.1.recv().unwrap();
+    let m = medium::class_for(l.size(), l.align()).unwrap();
+    let moved = a
+        .with_heap(|h| h.medium_transfer.blocks(m).to_vec())
+        .unwrap();
+    assert_eq!(moved.len(), n / 2);
+    let let_it_exit = move || {
+        parked.0.send(()).unwrap();
+        consumer.join().unwrap();
+    };
+    (ps, moved, let_it_exit)
+}
+
 /// The medium transfer cache: a miss with none of its class there takes a block of the next class
 /// up (named in the table again, as that class); `check` finds a block there that the table
 /// names; `release_free_memory` empties it.
 #[test]
 fn the_medium_transfer_cache_serves_the_next_class_is_checked_and_released() {
     let a = std::sync::Arc::new(small_instance());
-    let l24 = layout(24 << 10, 16);
     let n = medium::CONTENDED_MEDIUM_BIN;
-    let ps: std::vec::Vec<usize> = (0..n + 1).map(|_| alloc_ok(&a, l24) as usize).collect();
-    let b = a.clone();
-    let (done, parked) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
-    let consumer = std::thread::spawn(move || {
-        cache_upper_blocks(&b);
-        for &p in &ps {
-            // SAFETY: each block came from `b` with `l24` and is freed once.
-            unsafe { b.dealloc(p as *mut u8, l24) };
-        }
-        done.0.send(()).unwrap();
-        // An exiting thread's flush empties the transfer cache: not before the checks.
-        parked.1.recv().unwrap();
-    });
-    done.1.recv().unwrap();
-    let moved = a
-        .with_heap(|h| h.medium_transfer.blocks(1).to_vec())
-        .unwrap();
-    assert_eq!(moved.len(), n / 2);
+    let (_, moved, let_it_exit) = overflow_on_a_contended_thread(&a, layout(24 << 10, 16));
     // A 20 KiB request: class 0 has none there, class 1 does.
     let l20 = layout(20 << 10, 16);
     let p = alloc_ok(&a, l20);
@@ -3359,8 +3376,7 @@ fn the_medium_transfer_cache_serves_the_next_class_is_checked_and_released() {
     assert!(a.release_free_memory() > 0);
     assert_eq!(a.with_heap(|h| h.medium_transfer.held()).unwrap(), (0, 0));
     assert_eq!(a.usable_size(q as *mut u8), None);
-    parked.0.send(()).unwrap();
-    consumer.join().unwrap();
+    let_it_exit();
     // SAFETY: `p` came from `a` with `l20` and is freed once.
     unsafe { a.dealloc(p, l20) };
     a.flush_thread_cache();
@@ -3410,24 +3426,7 @@ fn medium_blocks_move_from_a_consumer_to_a_producer_through_the_transfer_cache()
     let a = std::sync::Arc::new(small_instance());
     let l = layout(20 << 10, 16);
     let n = medium::CONTENDED_MEDIUM_BIN;
-    let ps: std::vec::Vec<usize> = (0..n + 1).map(|_| alloc_ok(&a, l) as usize).collect();
-    let (b, freed) = (a.clone(), ps.clone());
-    let (done, parked) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
-    let consumer = std::thread::spawn(move || {
-        cache_upper_blocks(&b);
-        for &p in &freed {
-            // SAFETY: each block came from `b` with `l` and is freed once.
-            unsafe { b.dealloc(p as *mut u8, l) };
-        }
-        done.0.send(()).unwrap();
-        // Until the producer is done: an exiting thread's flush empties the transfer cache.
-        parked.1.recv().unwrap();
-    });
-    done.1.recv().unwrap();
-    let moved = a
-        .with_heap(|h| h.medium_transfer.blocks(0).to_vec())
-        .unwrap();
-    assert_eq!(moved.len(), n / 2);
+    let (ps, moved, let_it_exit) = overflow_on_a_contended_thread(&a, l);
     assert!(moved.iter().all(|p| ps.contains(p)));
     let s = a.stats();
     // Every block is in the consumer's cache or the transfer cache: cached, none in use.
@@ -3441,8 +3440,7 @@ fn medium_blocks_move_from_a_consumer_to_a_producer_through_the_transfer_cache()
     let left = a.with_heap(|h| h.medium_transfer.count(0)).unwrap();
     assert_eq!(left, n / 2 - 1 - mine);
     assert_eq!(a.check(), Ok(()));
-    parked.0.send(()).unwrap();
-    consumer.join().unwrap();
+    let_it_exit();
     // The consumer's exit flush emptied the transfer cache.
     assert_eq!(a.with_heap(|h| h.medium_transfer.held()).unwrap(), (0, 0));
     free_all(&a, std::vec![(p, l)]);
